@@ -1,0 +1,57 @@
+"""kvviz home: pick a model, read its card, see what its KV cache costs."""
+
+import pandas as pd
+import plotly.express as px
+import streamlit as st
+
+from kvviz.memory import model_card
+from ui import device_status, model_picker
+
+st.set_page_config(page_title="kvviz", page_icon="🗜️", layout="wide")
+st.title("kvviz: see and measure KV-cache optimization")
+st.caption(
+    "Every generated token keeps its keys and values for every layer. kvviz runs a real model, shows which "
+    "tokens attention relies on, and replays generation under eviction and quantization so you can see what "
+    "each method saves and what it silently drops."
+)
+
+loaded = model_picker()
+if loaded is None:
+    st.info("Choose a model in the sidebar.")
+    st.stop()
+
+card = model_card(loaded)
+left, right = st.columns([3, 2])
+with left:
+    st.subheader("Model card")
+    st.table(pd.DataFrame(
+        {
+            "value": [
+                card.architecture, card.layers, card.q_heads, card.kv_heads, card.head_dim, card.attention,
+                card.sliding_window_layers, card.context_length, card.dtype, f"{card.weight_bytes / 2**20:,.1f} MiB",
+                f"{card.kv_bytes_per_token / 2**10:,.1f} KiB",
+            ]
+        },
+        index=["architecture", "layers", "query heads", "KV heads", "head dim", "attention", "sliding-window layers",
+               "context", "dtype", "weights", "KV per token"],
+    ).astype(str))
+with right:
+    st.subheader("Device")
+    for key, value in device_status(loaded).items():
+        st.metric(key, value)
+
+st.subheader("The KV formula, live")
+col_seq, col_batch = st.columns(2)
+seq_len = col_seq.slider("Context length (tokens)", 128, max(256, card.context_length or 8192), 4096, step=128,
+                         key="seq_len")
+batch = col_batch.slider("Batch (concurrent sequences)", 1, 64, 1, key="batch")
+st.code(card.formula_text(seq_len, batch), language="text")
+kv = card.kv_bytes(seq_len, batch)
+st.metric("KV cache", f"{kv / 2**20:,.1f} MiB", delta=f"{kv / max(1, card.weight_bytes):.1%} of the weights",
+          delta_color="off")
+lengths = [2**k for k in range(7, 16) if 2**k <= max(256, card.context_length or 8192)]
+frame = pd.DataFrame({"context": lengths, "KV cache (MiB)": [card.kv_bytes(n, batch) / 2**20 for n in lengths]})
+figure = px.line(frame, x="context", y="KV cache (MiB)", markers=True, log_x=True,
+                 title=f"KV cache grows linearly with context (batch {batch})")
+figure.add_hline(y=card.weight_bytes / 2**20, line_dash="dot", annotation_text="weights")
+st.plotly_chart(figure, use_container_width=True)

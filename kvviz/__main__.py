@@ -1,0 +1,3 @@
+from kvviz.cli import main
+
+raise SystemExit(main())

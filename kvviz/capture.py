@@ -1,0 +1,210 @@
+"""Attention capture through transformers' AttentionInterface, without O(N^2) memory.
+
+kvviz registers one attention function, ``"kvviz"``. With nobody listening it forwards to PyTorch's SDPA path. When
+a listener is active (a statistics recorder for the Attention page and prefill-time selection, or a cache policy
+that scores tokens at every decode step), it computes attention explicitly in query blocks, hands each block of
+probabilities to the listeners, and drops it: memory stays O(layers * heads * N) plus one bounded block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+ATTENTION_NAME = "kvviz"
+BLOCK_BYTES = 128 * 2**20  # largest probability block materialised at once
+
+
+class AttentionListener(Protocol):
+    """Receives blocks of attention probabilities ``[batch, q_heads, block_queries, keys]``."""
+
+    def wants(self, layer_idx: int) -> bool: ...
+
+    def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None: ...
+
+
+_listeners: contextvars.ContextVar[tuple[AttentionListener, ...]] = contextvars.ContextVar(
+    "kvviz_attention_listeners", default=()
+)
+
+
+@contextlib.contextmanager
+def listening(*listeners: AttentionListener):
+    """Activate listeners for the forwards run inside this block (per thread: users do not see each other)."""
+    token = _listeners.set(_listeners.get() + tuple(listeners))
+    try:
+        yield
+    finally:
+        _listeners.reset(token)
+
+
+def _explicit_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    listeners: list[AttentionListener],
+) -> torch.Tensor:
+    """Softmax attention in query blocks; GQA handled by grouping query heads over their shared KV head."""
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, k_len = key.shape[1], key.shape[2]
+    group = q_heads // kv_heads
+    grouped_query = query.reshape(batch, kv_heads, group, q_len, head_dim)
+    keys_t = key.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, K]
+    values = value.unsqueeze(2)  # [B, Hkv, 1, K, D]
+    block = max(1, min(q_len, BLOCK_BYTES // max(1, batch * q_heads * k_len * 4)))
+    causal_offset = k_len - q_len  # query i sees keys up to causal_offset + i
+    output = torch.empty(batch, q_heads, q_len, head_dim, dtype=query.dtype, device=query.device)
+    for start in range(0, q_len, block):
+        stop = min(q_len, start + block)
+        scores = torch.matmul(grouped_query[:, :, :, start:stop], keys_t).float() * scaling
+        if attention_mask is not None:
+            mask = attention_mask[:, :, start:stop, :k_len].unsqueeze(1)
+            if mask.dtype == torch.bool:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            else:
+                scores = scores + mask.float()
+        elif q_len > 1:
+            rows = torch.arange(start, stop, device=query.device).unsqueeze(1) + causal_offset
+            cols = torch.arange(k_len, device=query.device).unsqueeze(0)
+            scores = scores.masked_fill(cols > rows, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        output[:, :, start:stop] = torch.matmul(probs.to(value.dtype), values).reshape(
+            batch, q_heads, stop - start, head_dim
+        )
+        flat = probs.reshape(batch, q_heads, stop - start, k_len)
+        for listener in listeners:
+            listener.observe(module.layer_idx, flat, start, q_len)
+    return output.transpose(1, 2).contiguous()
+
+
+def kvviz_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The registered attention function: SDPA when nobody listens, explicit blocks otherwise."""
+    layer_idx = getattr(module, "layer_idx", 0)
+    listeners = [listener for listener in _listeners.get() if listener.wants(layer_idx)]
+    if not listeners:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return _explicit_attention(module, query, key, value, attention_mask, scaling, listeners), None
+
+
+def install_attention(model: torch.nn.Module) -> None:
+    """Register kvviz's attention (with SDPA's mask format) and switch the model to it."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION_NAME, kvviz_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    model.set_attn_implementation(ATTENTION_NAME)
+
+
+@dataclass
+class CaptureConfig:
+    """What the statistics recorder keeps beyond the always-on O(N) statistics.
+
+    ``matrices`` lists (layer, query head) pairs whose full attention matrix is kept, block-averaged down to at most
+    ``matrix_size`` x ``matrix_size``. ``windows`` lists observation-window sizes for which the attention of the
+    last ``w`` queries is summed per key (what SnapKV-style selection reads).
+    """
+
+    sink_tokens: int = 4
+    matrices: list[tuple[int, int]] = field(default_factory=list)
+    matrix_size: int = 256
+    windows: tuple[int, ...] = ()
+    layers: tuple[int, ...] | None = None  # None: every layer
+
+
+@dataclass
+class AttentionStats:
+    """Per-layer, per-query-head statistics of one prefill. Tensors are on CPU, float32.
+
+    key_attention[l]: [q_heads, N] attention received by each key, summed over queries (heavy-hitter score).
+    sink_mass[l]: [q_heads, N] share of each query's attention on the first ``sink_tokens`` keys.
+    window_attention[w][l]: [q_heads, N] attention from the last ``w`` queries, summed, per key.
+    matrices[(l, h)]: [rows, cols] block-averaged attention matrix.
+    """
+
+    num_tokens: int
+    sink_tokens: int
+    key_attention: dict[int, torch.Tensor] = field(default_factory=dict)
+    sink_mass: dict[int, torch.Tensor] = field(default_factory=dict)
+    window_attention: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    matrices: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def sink_mass_per_layer(self) -> list[float]:
+        """Mean share of attention that goes to the sink tokens, per layer (queries past the sinks only)."""
+        return [float(self.sink_mass[layer][:, self.sink_tokens :].mean()) for layer in sorted(self.sink_mass)]
+
+    def nbytes(self) -> int:
+        tensors = [*self.key_attention.values(), *self.sink_mass.values(), *self.matrices.values()]
+        tensors += [t for per_window in self.window_attention.values() for t in per_window.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class StatsRecorder:
+    """An attention listener that folds each probability block into :class:`AttentionStats` (batch 0 only)."""
+
+    def __init__(self, config: CaptureConfig, num_tokens: int):
+        self.config = config
+        self.stats = AttentionStats(num_tokens=num_tokens, sink_tokens=config.sink_tokens)
+        self._matrix_counts: dict[tuple[int, int], torch.Tensor] = {}
+
+    def wants(self, layer_idx: int) -> bool:
+        return self.config.layers is None or layer_idx in self.config.layers
+
+    def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
+        probs = probs[0].detach().float().cpu()  # [H, block, K]
+        heads, block, keys = probs.shape
+        stats = self.stats
+        column_sum = probs.sum(dim=1)
+        if layer_idx in stats.key_attention:
+            stats.key_attention[layer_idx][:, :keys] += column_sum
+        else:
+            stats.key_attention[layer_idx] = torch.zeros(heads, keys).add_(column_sum)
+            stats.sink_mass[layer_idx] = torch.zeros(heads, query_total)
+        sinks = probs[:, :, : self.config.sink_tokens].sum(-1)
+        stats.sink_mass[layer_idx][:, query_start : query_start + block] = sinks
+        for window in self.config.windows:
+            first = max(query_start, query_total - window)
+            if first < query_start + block:
+                summed = probs[:, first - query_start :].sum(dim=1)
+                per_layer = stats.window_attention.setdefault(window, {})
+                per_layer[layer_idx] = per_layer.get(layer_idx, torch.zeros(heads, keys)) + summed
+        for layer, head in self.config.matrices:
+            if layer == layer_idx:
+                self._fold_matrix((layer, head), probs[head], query_start, query_total, keys)
+
+    def _fold_matrix(self, where: tuple[int, int], rows: torch.Tensor, start: int, total: int, keys: int) -> None:
+        """Fold a slab of rows into at most ``matrix_size`` bins per side.
+
+        Each cell is the attention mass a query bin puts on a key bin (summed over keys, averaged over queries),
+        so every row still sums to one however far it is downsampled.
+        """
+        size = self.config.matrix_size
+        row_bins, col_bins = min(total, size), min(keys, size)
+        if where not in self.stats.matrices:
+            self.stats.matrices[where] = torch.zeros(row_bins, col_bins)
+            self._matrix_counts[where] = torch.zeros(row_bins, 1)
+        row_index = torch.div(torch.arange(start, start + rows.shape[0]) * row_bins, total, rounding_mode="floor")
+        col_index = torch.div(torch.arange(keys) * col_bins, keys, rounding_mode="floor")
+        by_row = torch.zeros(row_bins, keys).index_add_(0, row_index, rows)
+        self.stats.matrices[where] += torch.zeros(row_bins, col_bins).index_add_(1, col_index, by_row)
+        self._matrix_counts[where].index_add_(0, row_index, torch.ones(rows.shape[0], 1))
+
+    def finish(self) -> AttentionStats:
+        for where, counts in self._matrix_counts.items():
+            self.stats.matrices[where] = self.stats.matrices[where] / counts.clamp(min=1)
+        self._matrix_counts.clear()
+        return self.stats
+

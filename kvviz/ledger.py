@@ -1,0 +1,90 @@
+"""The eviction ledger: which token each layer and KV head dropped, and when.
+
+Compact by design: one int32 per (layer, KV head, token) holding the step at which that token was evicted
+(0 = prefill compression, s >= 1 = decode step s, -1 = still cached). What a head kept at any step follows from it,
+so an 8K-token prompt on a 30-layer, 3-KV-head model needs under 3 MB.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KEPT = -1
+
+
+@dataclass
+class EvictionLedger:
+    num_layers: int
+    kv_heads: int
+    prompt_length: int
+    evicted_at: torch.Tensor  # [layers, kv_heads, capacity] int32
+
+    @classmethod
+    def empty(cls, num_layers: int, kv_heads: int, prompt_length: int, capacity: int) -> EvictionLedger:
+        table = torch.full((num_layers, kv_heads, capacity), KEPT, dtype=torch.int32)
+        return cls(num_layers, kv_heads, prompt_length, table)
+
+    @property
+    def length(self) -> int:
+        """Tokens the ledger has seen (prompt plus generated)."""
+        return self.evicted_at.shape[-1]
+
+    def ensure(self, length: int) -> None:
+        """Grow to cover ``length`` tokens (doubling, so appends stay amortised O(1))."""
+        if length > self.length:
+            grown = torch.full((self.num_layers, self.kv_heads, max(length, 2 * self.length)), KEPT, dtype=torch.int32)
+            grown[..., : self.length] = self.evicted_at
+            self.evicted_at = grown
+
+    def record(self, layer_idx: int, step: int, removed_positions: torch.Tensor) -> None:
+        """``removed_positions`` [H_kv, r] absolute positions evicted from this layer at ``step``."""
+        if removed_positions.numel():
+            self.ensure(int(removed_positions.max()) + 1)
+            self.evicted_at[layer_idx].scatter_(1, removed_positions.long().cpu(), step)
+
+    def trimmed(self, total_length: int) -> EvictionLedger:
+        """A copy covering exactly ``total_length`` tokens (drops unused growth room)."""
+        self.ensure(total_length)
+        return EvictionLedger(self.num_layers, self.kv_heads, self.prompt_length,
+                              self.evicted_at[..., :total_length].clone())
+
+    def kept_mask(self, step: int, length: int | None = None) -> torch.Tensor:
+        """[layers, kv_heads, length] True where the token was cached after ``step`` (and had arrived by then)."""
+        length = self.length if length is None else length
+        table = self.evicted_at[..., :length]
+        arrived = torch.arange(length) < self.prompt_length + max(step, 0)
+        return ((table == KEPT) | (table > step)) & arrived
+
+    def survived(self, positions: list[int], step: int | None = None) -> torch.Tensor:
+        """[layers, kv_heads] True where every listed position was still cached after ``step`` (default: the end)."""
+        columns = self.evicted_at[..., positions]
+        if step is None:
+            return (columns == KEPT).all(dim=-1)
+        return ((columns == KEPT) | (columns > step)).all(dim=-1)
+
+    def nbytes(self) -> int:
+        return self.evicted_at.numel() * self.evicted_at.element_size()
+
+    def to_json(self, total_length: int) -> dict:
+        """The compact form compare's JSON carries (documented in the README).
+
+        ``evicted_at``: per layer, per KV head, a list of [position, step] pairs for evicted tokens only.
+        ``kept_per_layer``: per layer, tokens still cached per KV head at the end.
+        """
+        table = self.evicted_at[..., :total_length]
+        evicted = [
+            [torch.nonzero(table[layer, head] != KEPT).flatten().tolist() for head in range(self.kv_heads)]
+            for layer in range(self.num_layers)
+        ]
+        return {
+            "encoding": "evicted_at[layer][kv_head] = [[position, step], ...]; step 0 = prefill, s = decode step s",
+            "prompt_length": self.prompt_length,
+            "total_length": total_length,
+            "kept_per_layer": (table == KEPT).sum(dim=-1).tolist(),
+            "evicted_at": [
+                [[[p, int(table[layer, head, p])] for p in evicted[layer][head]] for head in range(self.kv_heads)]
+                for layer in range(self.num_layers)
+            ],
+        }

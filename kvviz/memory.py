@@ -1,0 +1,137 @@
+"""KV-cache memory: the formula, model cards, and the architecture facts they rest on.
+
+    KV_bytes = 2 (K and V) * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element
+
+MLA models (DeepSeek-V2/V3) cache one compressed latent per token and layer instead of per-head K and V, so their
+per-token size is (kv_lora_rank + qk_rope_head_dim) elements per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+def kv_formula_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, batch: int = 1,
+                     bytes_per_element: float = 2) -> int:
+    """The textbook KV-cache size for a standard (MHA/GQA/MQA) attention stack."""
+    return int(2 * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element)
+
+
+def attention_kind(q_heads: int, kv_heads: int, is_mla: bool = False) -> str:
+    if is_mla:
+        return "MLA"
+    if kv_heads == q_heads:
+        return "MHA"
+    if kv_heads == 1:
+        return "MQA"
+    return "GQA"
+
+
+@dataclass
+class ModelCard:
+    """What a model's architecture means for its KV cache."""
+
+    name: str
+    architecture: str
+    layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    attention: str  # MHA, GQA, MQA or MLA
+    sliding_window_layers: int
+    sliding_window: int | None
+    context_length: int
+    vocab_size: int
+    dtype: str
+    bytes_per_element: int
+    weight_bytes: int
+    kv_elements_per_token: int  # across all layers, K and V together
+    mla_latent_dim: int | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_elements_per_token * self.bytes_per_element
+
+    def kv_bytes(self, seq_len: int, batch: int = 1, bytes_per_element: float | None = None) -> int:
+        """KV bytes for ``batch`` sequences of ``seq_len`` tokens (optionally at another element size)."""
+        per_element = self.bytes_per_element if bytes_per_element is None else bytes_per_element
+        return int(self.kv_elements_per_token * seq_len * batch * per_element)
+
+    def formula_text(self, seq_len: int, batch: int = 1) -> str:
+        """The formula with this model's numbers substituted, as shown on the home page and by ``info``."""
+        if self.attention == "MLA":
+            return (f"{self.layers} layers * {self.mla_latent_dim} latent * {seq_len} tokens * {batch} * "
+                    f"{self.bytes_per_element} B = {self.kv_bytes(seq_len, batch):,} B")
+        return (f"2 * {self.layers} layers * {self.kv_heads} kv_heads * {self.head_dim} head_dim * {seq_len} tokens"
+                f" * {batch} batch * {self.bytes_per_element} B = {self.kv_bytes(seq_len, batch):,} B")
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["kv_bytes_per_token"] = self.kv_bytes_per_token
+        return data
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1}
+
+
+def card_from_config(name: str, config, dtype: str = "bfloat16", weight_bytes: int = 0) -> ModelCard:
+    """Build a card from a transformers config object or a plain dict of its fields."""
+    get = (lambda key, default=None: config.get(key, default)) if isinstance(config, dict) else (
+        lambda key, default=None: getattr(config, key, default))
+    text = get("text_config")
+    if text is not None and get("num_hidden_layers") is None:
+        return card_from_config(name, text, dtype, weight_bytes)
+    layers = int(get("num_hidden_layers"))
+    q_heads = int(get("num_attention_heads"))
+    kv_heads = int(get("num_key_value_heads") or q_heads)
+    head_dim = int(get("head_dim") or get("hidden_size") // q_heads)
+    latent = get("kv_lora_rank")
+    is_mla = latent is not None
+    layer_types = get("layer_types") or []
+    sliding = get("sliding_window")
+    sliding_layers = sum(1 for t in layer_types if t == "sliding_attention") if layer_types else (
+        layers if sliding and get("use_sliding_window", True) else 0)
+    if is_mla:
+        latent_dim = int(latent) + int(get("qk_rope_head_dim") or 0)
+        elements = layers * latent_dim
+    else:
+        latent_dim = None
+        elements = 2 * layers * kv_heads * head_dim
+    return ModelCard(
+        name=name,
+        architecture=(get("architectures") or [get("model_type") or "unknown"])[0],
+        layers=layers,
+        q_heads=q_heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        attention=attention_kind(q_heads, kv_heads, is_mla),
+        sliding_window_layers=sliding_layers,
+        sliding_window=sliding if sliding_layers else None,
+        context_length=int(get("max_position_embeddings") or 0),
+        vocab_size=int(get("vocab_size") or 0),
+        dtype=dtype,
+        bytes_per_element=_DTYPE_BYTES.get(dtype, 2),
+        weight_bytes=weight_bytes,
+        kv_elements_per_token=elements,
+        mla_latent_dim=latent_dim,
+    )
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes held by parameters and buffers (tied weights counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.data_ptr() in seen:
+            continue
+        seen.add(tensor.data_ptr())
+        total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def model_card(loaded) -> ModelCard:
+    """The card of a loaded model (see :class:`kvviz.models.LoadedModel`)."""
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    return card_from_config(loaded.name, loaded.config, dtype, model_weight_bytes(loaded.model))

@@ -1,0 +1,308 @@
+"""The method protocol, the registry and the SPEC grammar.
+
+Every eviction or quantization method is one class in one file of this package. It declares its parameters once
+(:class:`Param`); the CLI parser, the app's widgets and the docs all read that declaration. A SPEC names one method or
+a stack of them: ``name[:key=value,key=value][+name[:key=value,...]]``, e.g. ``snapkv:budget=256+kivi:bits=2``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+class SpecError(ValueError):
+    """A SPEC that cannot be used; the message is one line naming the valid choices."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A token budget given as a count (``256``) or as a ratio of a reference length (``0.25``)."""
+
+    value: float
+
+    @property
+    def is_ratio(self) -> bool:
+        return self.value < 1
+
+    def tokens(self, length: int) -> int:
+        """Tokens this budget allows for a sequence of ``length`` tokens (at least one)."""
+        if self.is_ratio:
+            return max(1, math.ceil(self.value * length))
+        return int(self.value)
+
+    def __str__(self) -> str:
+        return f"{self.value:g}"
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of a method: its name, type, default, allowed range or choices, and help text."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    min: float | None = None
+    max: float | None = None
+    choices: tuple | None = None
+
+    def describe_range(self) -> str:
+        if self.choices is not None:
+            return "|".join(str(c) for c in self.choices)
+        if self.type is Budget:
+            return "token count >= 1 or ratio in (0, 1)"
+        low = "-inf" if self.min is None else f"{self.min:g}"
+        high = "inf" if self.max is None else f"{self.max:g}"
+        return f"{self.type.__name__} in [{low}, {high}]"
+
+    def parse(self, method: str, raw: Any) -> Any:
+        """Convert and check one value; raise SpecError with the valid range on failure."""
+        where = f"{method}:{self.name}={raw}"
+        try:
+            if self.type is bool:
+                if isinstance(raw, bool):
+                    value = raw
+                elif str(raw).lower() in ("1", "true", "yes", "on"):
+                    value = True
+                elif str(raw).lower() in ("0", "false", "no", "off"):
+                    value = False
+                else:
+                    raise ValueError
+            elif self.type is Budget:
+                value = raw if isinstance(raw, Budget) else Budget(float(raw))
+                if not math.isfinite(value.value) or value.value <= 0 or (value.value >= 1 and value.value % 1):
+                    raise ValueError
+            elif self.type is int:
+                as_float = float(raw)
+                if not as_float.is_integer():
+                    raise ValueError
+                value = int(as_float)
+            else:
+                value = self.type(raw)
+                if self.type is float and not math.isfinite(value):
+                    raise ValueError
+        except (TypeError, ValueError):
+            raise SpecError(f"bad value in '{where}': expected {self.describe_range()}") from None
+        if self.choices is not None and value not in self.choices:
+            raise SpecError(f"bad value in '{where}': choose {self.describe_range()}")
+        number = value.value if isinstance(value, Budget) else value
+        if isinstance(number, (int, float)) and not isinstance(number, bool):
+            if (self.min is not None and number < self.min) or (self.max is not None and number > self.max):
+                raise SpecError(f"bad value in '{where}': expected {self.describe_range()}")
+        return value
+
+
+class Method:
+    """Base of every method: a name, a kind, declared parameters, and validated values as attributes."""
+
+    name: ClassVar[str] = ""
+    kind: ClassVar[str] = ""  # "eviction" or "quantization"
+    summary: ClassVar[str] = ""
+    params: ClassVar[tuple[Param, ...]] = ()
+
+    def __init__(self, **values: Any):
+        known = {p.name: p for p in self.params}
+        for key in values:
+            if key not in known:
+                valid = ", ".join(known) or "none"
+                raise SpecError(f"unknown parameter '{key}' for {self.name}; valid: {valid}")
+        for param in self.params:
+            raw = values.get(param.name, param.default)
+            setattr(self, param.name, param.parse(self.name, raw))
+        self.validate()
+
+    def validate(self) -> None:
+        """Cross-parameter checks; raise SpecError with a one-line message."""
+
+    def check_stack(self, stack: MethodStack) -> None:
+        """Checks against the other member of a stack (e.g. re-rotation cannot touch quantized keys)."""
+
+    def values(self) -> dict[str, Any]:
+        return {p.name: getattr(self, p.name) for p in self.params}
+
+    def spec(self) -> str:
+        """The canonical SPEC text: only parameters that differ from their defaults."""
+        changed = [
+            f"{p.name}={_format_value(getattr(self, p.name))}"
+            for p in self.params
+            if getattr(self, p.name) != p.parse(self.name, p.default)
+        ]
+        return self.name + (":" + ",".join(changed) if changed else "")
+
+    def __repr__(self) -> str:
+        return f"<{self.spec()}>"
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+REGISTRY: dict[str, type[Method]] = {}
+
+
+def register(cls: type[Method]) -> type[Method]:
+    """Class decorator: make a method available to SPECs, the CLI, the app and the docs."""
+    if not cls.name or cls.kind not in ("eviction", "quantization"):
+        raise TypeError(f"{cls.__name__} needs a name and a kind of 'eviction' or 'quantization'")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+@dataclass
+class MethodStack:
+    """What one SPEC describes: at most one eviction method and at most one quantization method."""
+
+    eviction: Method | None = None
+    quantization: Method | None = None
+
+    @property
+    def label(self) -> str:
+        parts = [m.spec() for m in (self.eviction, self.quantization) if m is not None]
+        return "+".join(parts) if parts else "full"
+
+    def members(self) -> list[Method]:
+        return [m for m in (self.eviction, self.quantization) if m is not None]
+
+
+def parse_spec(spec: str) -> MethodStack:
+    """Parse ``name[:k=v,...][+name[:k=v,...]]`` into a :class:`MethodStack`; SpecError on any mistake."""
+    if not isinstance(spec, str) or not spec.strip():
+        raise SpecError(f"empty method SPEC; valid methods: {', '.join(sorted(REGISTRY))}")
+    stack = MethodStack()
+    for part in spec.strip().split("+"):
+        name, _, arguments = part.strip().partition(":")
+        name = name.strip()
+        if name not in REGISTRY:
+            raise SpecError(f"unknown method '{name}'; valid: {', '.join(sorted(REGISTRY))}")
+        values: dict[str, str] = {}
+        for item in filter(None, (a.strip() for a in arguments.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip() or not value.strip():
+                raise SpecError(f"bad argument '{item}' in '{part}': write key=value")
+            if key.strip() in values:
+                raise SpecError(f"parameter '{key.strip()}' given twice in '{part}'")
+            values[key.strip()] = value.strip()
+        method = REGISTRY[name](**values)
+        slot = method.kind
+        if getattr(stack, slot) is not None:
+            existing = getattr(stack, slot).name
+            raise SpecError(f"'{spec}' stacks two {slot} methods ({existing}, {name}); use at most one of each")
+        setattr(stack, slot, method)
+    for method in stack.members():
+        method.check_stack(stack)
+    return stack
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Protocols the cache calls. Eviction methods choose which entries stay; quantization methods decide how they are
+# stored. Both see tensors only.
+
+
+@dataclass
+class LayerView:
+    """What an eviction method sees of one layer when it decides.
+
+    positions: [B, H_kv, T] absolute token positions of the stored entries (per KV head: heads may differ).
+    keys: [B, H_kv, T, D] stored keys as attention reads them.
+    attention: the latest queries' probabilities over these entries, [B, H_q, q, T], for methods that score by
+        attention at decode time; None otherwise.
+    prompt_length: tokens in the prompt; step: 0 during prefill compression, s >= 1 at decode step s.
+    state: the method's own per-layer state (from ``new_state``).
+    """
+
+    layer_idx: int
+    positions: torch.Tensor
+    keys: torch.Tensor
+    prompt_length: int
+    step: int
+    attention: torch.Tensor | None = None
+    state: Any = None
+
+
+class EvictionMethod(Method):
+    """Decides which cached entries each layer keeps.
+
+    ``scores_attention``: the method needs the current queries' attention at every decode step (H2O, TOVA); it is
+    then called after attention, and the cache may hold one token over budget while attending. Otherwise it is called
+    right after new entries are appended, before attention, so attention never sees more than the budget.
+    ``rerotate``: cached keys take their positions inside the cache (StreamingLLM's position shift).
+    ``uses_prefill_attention``: the method reads the prefill's accumulated attention per key (H2O's initial scores).
+    ``prefill_windows``: observation windows whose attention sums the method reads at prefill (SnapKV).
+    """
+
+    kind = "eviction"
+    scores_attention: ClassVar[bool] = False
+    uses_prefill_attention: ClassVar[bool] = False
+    prefill_windows: ClassVar[tuple[int, ...]] = ()
+
+    @property
+    def rerotate(self) -> bool:
+        return False
+
+    def new_state(self, layer_idx: int) -> Any:
+        return None
+
+    def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | None:
+        """After the prompt's forward: indices [B, H_kv, n] of entries to keep, or None to keep all.
+
+        ``stats`` is the prefill's :class:`kvviz.capture.AttentionStats` (when the method asked for capture).
+        """
+        return self.select(view)
+
+    def select(self, view: LayerView) -> torch.Tensor | None:
+        """During decoding: indices [B, H_kv, n] (ascending) of entries to keep, or None to keep all."""
+        return None
+
+    def budget_for(self, prompt_length: int) -> int | None:
+        """Tokens kept per head at steady state, for the memory formula; None when unbounded."""
+        return None
+
+    def check_context(self, prompt_length: int) -> None:
+        """Raise SpecError when the parameters cannot work on a prompt of this length."""
+
+
+def mask_to_indices(keep_mask: torch.Tensor) -> torch.Tensor | None:
+    """Indices of True entries in ``keep_mask`` [B, H, T] (same count per head), or None when all are kept."""
+    if bool(keep_mask.all()):
+        return None
+    batch, heads, length = keep_mask.shape
+    count = int(keep_mask[0, 0].sum())
+    order = torch.arange(length, device=keep_mask.device).expand(batch, heads, length)
+    ranked = torch.where(keep_mask, order, order + length)
+    return ranked.sort(dim=-1).values[..., :count]
+
+
+def topk_keep(scores: torch.Tensor, count: int, forced: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Keep the ``count`` highest-scoring entries per head (plus ``forced`` ones), returned in ascending order.
+
+    ``scores`` [B, H, T]; ``forced`` a bool mask [T] or [B, H, T] of entries always kept (sinks, recent window).
+    """
+    length = scores.shape[-1]
+    if count >= length:
+        return None
+    scores = scores.float()
+    if forced is not None:
+        scores = scores.masked_fill(forced.expand_as(scores), float("inf"))
+    chosen = scores.topk(count, dim=-1).indices
+    return chosen.sort(dim=-1).values
+
+
+class QuantizationMethod(Method):
+    """Decides how entries are stored: builds one storage object per layer (see :mod:`kvviz.storage`)."""
+
+    kind = "quantization"
+
+    def new_storage(self, layer_idx: int):
+        raise NotImplementedError
+
+    def bits_per_element(self, head_dim: int) -> float:
+        """Average stored bits per K/V element including metadata, ignoring any full-precision residual."""
+        raise NotImplementedError

@@ -1,0 +1,9 @@
+"""The baseline: every token kept, in the model's dtype."""
+
+from kvviz.methods.base import EvictionMethod, register
+
+
+@register
+class Full(EvictionMethod):
+    name = "full"
+    summary = "Keep every token at full precision: the reference every other method is compared with."

@@ -1,0 +1,76 @@
+"""Plain dataclasses every consumer reads: the CLI's JSON, the app's tables and charts, the tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvviz.ledger import EvictionLedger
+from kvviz.storage import StorageBytes
+
+
+@dataclass
+class MethodResult:
+    """One method's replay of a prompt."""
+
+    method: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # measured at the end of generation
+    kv_bytes_full: int = 0  # what the full cache holds for the same tokens
+    kv_breakdown: StorageBytes = field(default_factory=StorageBytes)
+    kv_bytes_per_step: list[int] = field(default_factory=list)
+    kv_bytes_per_layer: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    agreement_with_full: float | None = None
+    first_divergence: int | None = None
+    ledger: EvictionLedger | None = None
+    error: str | None = None
+
+    @property
+    def compression(self) -> float | None:
+        """How many times smaller than the full cache (None when nothing was measured)."""
+        return self.kv_bytes_full / self.kv_bytes if self.kv_bytes else None
+
+    def to_json(self, with_ledger: bool = True) -> dict:
+        data = {
+            "method": self.method,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "kv_bytes": self.kv_bytes,
+            "kv_bytes_full": self.kv_bytes_full,
+            "kv_bytes_codes": self.kv_breakdown.codes,
+            "kv_bytes_metadata": self.kv_breakdown.metadata,
+            "kv_bytes_full_precision": self.kv_breakdown.full_precision,
+            "seconds": round(self.seconds, 4),
+            "agreement_with_full": self.agreement_with_full,
+            "first_divergence": self.first_divergence,
+        }
+        if self.error:
+            data["error"] = self.error
+        if with_ledger and self.ledger is not None:
+            data["ledger"] = self.ledger.to_json(self.ledger.prompt_length + len(self.token_ids))
+        return data
+
+
+@dataclass
+class Comparison:
+    """Several methods replayed on one prompt after one shared prefill."""
+
+    model: str
+    device: str
+    prompt_tokens: int
+    prompt_ids: list[int]
+    prefill_seconds: float
+    results: list[MethodResult]
+
+    def to_json(self, with_ledger: bool = True) -> dict:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "results": [r.to_json(with_ledger) for r in self.results],
+        }
+
+    def by_method(self, method: str) -> MethodResult:
+        return next(r for r in self.results if r.method == method)

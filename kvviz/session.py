@@ -1,0 +1,192 @@
+"""One prompt, many methods: prefill once (with attention statistics when asked), then fork a cache per method.
+
+A comparison of N methods costs one prefill plus N decodes. Prefill-time selection (SnapKV, H2O's initial scores)
+reads the shared statistics, so forking is exactly what an independent run of that method would do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvviz.cache import KVCache, rope_rotator
+from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listening
+from kvviz.ledger import EvictionLedger
+from kvviz.memory import model_card
+from kvviz.methods import MethodStack, SpecError, parse_spec
+from kvviz.metrics import first_divergence, token_agreement
+from kvviz.models import LoadedModel
+from kvviz.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids, forward_step
+from kvviz.results import Comparison, MethodResult
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be run, with a message meant for the user."""
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt; ``chat`` wraps it as one user turn in the model's chat template."""
+    if not text or not text.strip():
+        raise PromptError("the prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise PromptError("this model has no chat template; run without --chat")
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+    else:
+        ids = tokenizer(text)["input_ids"]
+    return [int(i) for i in ids]
+
+
+def stats_needed(stacks: list[MethodStack]) -> tuple[bool, tuple[int, ...]]:
+    """Whether any method reads prefill attention, and which observation windows it needs."""
+    evictions = [s.eviction for s in stacks if s.eviction is not None]
+    windows = tuple(sorted({w for e in evictions for w in e.prefill_windows}))
+    return any(e.uses_prefill_attention for e in evictions) or bool(windows), windows
+
+
+@dataclass
+class Prefill:
+    """The shared result of one prompt's forward pass."""
+
+    cache: KVCache
+    last_logits: torch.Tensor
+    stats: AttentionStats | None
+    seconds: float
+
+
+class PromptSession:
+    """A loaded model and one tokenized prompt. Not thread-safe: hold ``loaded.lock`` around its use."""
+
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int]):
+        if not prompt_ids:
+            raise PromptError("the prompt is empty")
+        context = getattr(loaded.config, "max_position_embeddings", None)
+        if context and len(prompt_ids) >= context:
+            raise PromptError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {context}")
+        self.loaded = loaded
+        self.prompt_ids = prompt_ids
+        self.card = model_card(loaded)
+        self.rotate_keys = rope_rotator(loaded.model)
+        self.eos_ids = eos_token_ids(loaded.model, loaded.tokenizer)
+        self._prefill: Prefill | None = None
+        self._capture: CaptureConfig | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return self.card.layers
+
+    def prefill(self, capture: CaptureConfig | None = None) -> Prefill:
+        """Run the prompt once into a dense cache; reuse it while the capture asked for is covered."""
+        if self._prefill is not None and _covers(self._capture, capture):
+            return self._prefill
+        cache = KVCache(self.num_layers)
+        cache.prompt_length = len(self.prompt_ids)
+        recorder = StatsRecorder(capture, len(self.prompt_ids)) if capture is not None else None
+        started = time.perf_counter()
+        with torch.inference_mode(), listening(*([recorder] if recorder else [])):
+            logits = forward_step(self.loaded.model, cache, self.prompt_ids, 0, 0, self.loaded.device)
+        self._prefill = Prefill(cache, logits, recorder.finish() if recorder else None, time.perf_counter() - started)
+        self._capture = capture
+        return self._prefill
+
+    def fork(self, stack: MethodStack, ledger: bool = True) -> KVCache:
+        """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill."""
+        if stack.eviction is not None:
+            stack.eviction.check_context(len(self.prompt_ids))
+        needed, windows = stats_needed([stack])
+        prefill = self.prefill(self._capture_for(needed, windows))
+        book = None
+        if ledger and stack.eviction is not None:
+            book = EvictionLedger.empty(self.num_layers, self.card.kv_heads, len(self.prompt_ids),
+                                        len(self.prompt_ids) + 64)
+        return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys)
+
+    def _capture_for(self, needed: bool, windows: tuple[int, ...]) -> CaptureConfig | None:
+        if not needed:
+            return self._capture
+        current = self._capture or CaptureConfig()
+        merged = tuple(sorted(set(current.windows) | set(windows)))
+        return CaptureConfig(current.sink_tokens, current.matrices, current.matrix_size, merged, None)
+
+    def run(self, spec: str | MethodStack, max_new_tokens: int, sampling: Sampling | None = None,
+            forced_tokens: list[int] | None = None, keep_logprobs: bool = False,
+            progress: Progress | None = None) -> tuple[MethodResult, DecodeTrace]:
+        """Fork a cache for one method and decode; returns the result and the raw trace."""
+        stack = parse_spec(spec) if isinstance(spec, str) else spec
+        started = time.perf_counter()
+        cache = self.fork(stack)
+        prefill = self.prefill(self._capture)
+        trace = decode(self.loaded.model, cache, prefill.last_logits, max_new_tokens, self.loaded.device,
+                       self.eos_ids, sampling, forced_tokens, keep_logprobs, progress)
+        seconds = time.perf_counter() - started
+        total_tokens = len(self.prompt_ids) + max(0, len(trace.token_ids) - 1)  # the last token is never fed
+        breakdown = cache.nbytes()
+        result = MethodResult(
+            method=stack.label,
+            text=self.loaded.tokenizer.decode(trace.token_ids, skip_special_tokens=True),
+            token_ids=trace.token_ids,
+            kv_bytes=breakdown.total,
+            kv_bytes_full=self.card.kv_bytes(total_tokens),
+            kv_breakdown=breakdown,
+            kv_bytes_per_step=trace.kv_bytes_per_step,
+            kv_bytes_per_layer=cache.nbytes_per_layer(),
+            seconds=seconds,
+            ledger=cache.ledger.trimmed(total_tokens) if cache.ledger is not None else None,
+        )
+        return result, trace
+
+
+def _covers(have: CaptureConfig | None, want: CaptureConfig | None) -> bool:
+    if want is None:
+        return True
+    if have is None:
+        return False
+    return (set(want.windows) <= set(have.windows) and set(want.matrices) <= set(have.matrices)
+            and want.sink_tokens == have.sink_tokens and want.matrix_size == have.matrix_size)
+
+
+def compare(
+    loaded: LoadedModel,
+    prompt_ids: list[int],
+    specs: list[str],
+    max_new_tokens: int = 64,
+    sampling: Sampling | None = None,
+    progress: Progress | None = None,
+) -> Comparison:
+    """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
+
+    A method that fails is reported with its error while the others still complete.
+    """
+    stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
+    if not any(s.label == "full" for s in stacks):
+        stacks.insert(0, parse_spec("full"))
+    stacks.sort(key=lambda s: s.label != "full")
+    with loaded.lock:
+        session = PromptSession(loaded, prompt_ids)
+        needed, windows = stats_needed(stacks)
+        prefill = session.prefill(CaptureConfig(windows=windows) if needed else None)
+        results: list[MethodResult] = []
+        reference: list[int] | None = None
+        for index, stack in enumerate(stacks):
+            def report(fraction: float, message: str, index: int = index, label: str = stack.label) -> None:
+                if progress is not None:
+                    progress((index + fraction) / len(stacks), f"{label}: {message}")
+
+            try:
+                result, _ = session.run(stack, max_new_tokens, sampling, progress=report)
+            except (SpecError, PromptError) as error:
+                result = MethodResult(method=stack.label, error=str(error))
+            except (RuntimeError, ValueError, IndexError) as error:  # one method's crash must not sink the others
+                result = MethodResult(method=stack.label, error=f"{type(error).__name__}: {error}")
+            if stack.label == "full" and result.error is None:
+                reference = result.token_ids
+            if reference is not None and result.error is None:
+                result.agreement_with_full = token_agreement(reference, result.token_ids)
+                result.first_divergence = first_divergence(reference, result.token_ids)
+            results.append(result)
+    return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results)

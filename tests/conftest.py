@@ -1,0 +1,55 @@
+"""Shared fixtures: a tiny random-weight GQA Llama (fast) and the real default model (loaded once per session)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """SmolLM2-135M-Instruct from the embedded GGUF (converted once)."""
+    from kvviz.models import load_model
+
+    return load_model(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(real_model):
+    """A 2-layer random Llama with GQA (4 query heads over 2 KV heads) sharing the real tokenizer's vocabulary."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvviz.capture import install_attention
+    from kvviz.models import LoadedModel
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=real_model.config.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+        rope_theta=10000.0, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 2
+    install_attention(model)
+    return LoadedModel(name="tiny-llama", model=model, tokenizer=real_model.tokenizer, device="cpu",
+                       dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def story_ids(real_model) -> list[int]:
+    """A ~200-token plain-text prompt."""
+    text = (
+        "The lighthouse keeper of Saint Brennan's Rock kept a logbook for forty years. Every evening he wrote the "
+        "wind, the swell, the ships that passed, and one sentence about the birds. In the winter of the great "
+        "storm he wrote nothing for nine days, and when the supply boat finally reached the rock the crew found "
+        "him asleep beside the lamp, which had never once gone dark. Asked how he had kept it burning, he said "
+        "that the secret was a spare wick, a dry box of matches, and a stubborn refusal to sleep before dawn. "
+        "The logbook is now kept in the harbour museum, open at the page for the first calm morning after the "
+        "storm, where he wrote: the gulls came back today. "
+    )
+    return real_model.tokenizer(text * 2)["input_ids"]

@@ -1,0 +1,53 @@
+"""The SPEC grammar and the parameter declarations every method shares."""
+
+import pytest
+
+from kvviz.methods import REGISTRY, Budget, SpecError, parse_spec
+from kvviz.methods.base import Param
+
+
+def test_full_parses_and_prints_back():
+    stack = parse_spec("full")
+    assert stack.eviction.name == "full" and stack.quantization is None
+    assert stack.label == "full"
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("", "empty method SPEC"),
+        ("nope", "unknown method 'nope'; valid:"),
+        ("full:window=3", "unknown parameter 'window' for full"),
+        ("full:window", "write key=value"),
+        ("full+full", "stacks two eviction methods"),
+    ],
+)
+def test_bad_specs_give_one_line_naming_the_choices(spec, message):
+    with pytest.raises(SpecError, match=message) as caught:
+        parse_spec(spec)
+    assert "\n" not in str(caught.value)
+
+
+def test_param_parsing_checks_types_ranges_and_choices():
+    bits = Param("bits", int, 2, "bits", choices=(2, 4, 8))
+    assert bits.parse("m", "4") == 4
+    with pytest.raises(SpecError, match="choose 2|4|8"):
+        bits.parse("m", "3")
+    window = Param("window", int, 8, "w", min=1)
+    for bad in ("-1", "abc", "2.5", "0"):
+        with pytest.raises(SpecError, match=r"bad value in 'm:window="):
+            window.parse("m", bad)
+    budget = Param("budget", Budget, 256, "b")
+    assert budget.parse("m", "0.25").tokens(1000) == 250
+    assert budget.parse("m", "128").tokens(1000) == 128
+    for bad in ("0", "-3", "nan", "1.5"):
+        with pytest.raises(SpecError):
+            budget.parse("m", bad)
+
+
+def test_every_registered_method_declares_valid_defaults():
+    for name, cls in REGISTRY.items():
+        method = cls()
+        assert method.spec() == name, "defaults print as the bare name"
+        for param in cls.params:
+            assert param.help, f"{name}.{param.name} needs help text"

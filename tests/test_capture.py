@@ -1,0 +1,76 @@
+"""The registered attention function: same outputs as SDPA, statistics in O(layers * heads * N)."""
+
+import torch
+
+from kvviz.capture import CaptureConfig, StatsRecorder, listening
+
+
+def _forward(model, ids):
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits
+
+
+def test_capture_returns_the_same_logits_as_sdpa(tiny_model, story_ids):
+    plain = _forward(tiny_model.model, story_ids[:120])
+    recorder = StatsRecorder(CaptureConfig(), 120)
+    with listening(recorder):
+        captured = _forward(tiny_model.model, story_ids[:120])
+    torch.testing.assert_close(captured, plain, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_rows_sum_to_one_and_key_scores_add_up(tiny_model, story_ids):
+    n = 64
+    recorder = StatsRecorder(CaptureConfig(sink_tokens=4, matrices=[(1, 2)], matrix_size=n), n)
+    with listening(recorder):
+        _forward(tiny_model.model, story_ids[:n])
+    stats = recorder.finish()
+    assert set(stats.key_attention) == {0, 1}
+    for layer in (0, 1):
+        # each of the n queries spreads exactly 1.0 of attention over the keys
+        torch.testing.assert_close(stats.key_attention[layer].sum(dim=1), torch.full((4,), float(n)))
+        assert stats.sink_mass[layer].shape == (4, n)
+    matrix = stats.matrices[(1, 2)]
+    assert matrix.shape == (n, n)
+    torch.testing.assert_close(matrix.sum(dim=1), torch.ones(n))
+    assert torch.all(matrix.triu(diagonal=1) == 0), "causal: no attention to future tokens"
+    torch.testing.assert_close(stats.key_attention[1][2], matrix.sum(dim=0), atol=1e-4, rtol=1e-4)
+
+
+def test_matrices_are_downsampled_for_long_prompts(tiny_model, story_ids):
+    n = len(story_ids)
+    recorder = StatsRecorder(CaptureConfig(matrices=[(0, 0)], matrix_size=32), n)
+    with listening(recorder):
+        _forward(tiny_model.model, story_ids)
+    matrix = recorder.finish().matrices[(0, 0)]
+    assert matrix.shape == (32, 32)
+    torch.testing.assert_close(matrix.sum(dim=1), torch.ones(32), atol=1e-4, rtol=1e-4)
+
+
+def test_statistics_memory_grows_linearly(tiny_model, story_ids):
+    sizes = []
+    for n in (100, 200, 400):
+        ids = (story_ids * 3)[:n]
+        recorder = StatsRecorder(CaptureConfig(windows=(16,)), n)
+        with listening(recorder):
+            _forward(tiny_model.model, ids)
+        sizes.append(recorder.finish().nbytes())
+    assert sizes[1] == 2 * sizes[0] and sizes[2] == 2 * sizes[1]
+
+
+def test_window_attention_sums_the_last_queries(tiny_model, story_ids):
+    n = 48
+    recorder = StatsRecorder(CaptureConfig(matrices=[(0, 1)], matrix_size=n, windows=(8,)), n)
+    with listening(recorder):
+        _forward(tiny_model.model, story_ids[:n])
+    stats = recorder.finish()
+    expected = stats.matrices[(0, 1)][-8:].sum(dim=0)
+    torch.testing.assert_close(stats.window_attention[8][0][1], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sink_mass_is_strong_on_the_real_model(real_model, story_ids):
+    recorder = StatsRecorder(CaptureConfig(sink_tokens=1), len(story_ids))
+    with listening(recorder):
+        _forward(real_model.model, story_ids)
+    per_layer = recorder.finish().sink_mass_per_layer()
+    assert len(per_layer) == 30
+    assert max(per_layer[12:]) > 0.3, "deep layers of SmolLM2 put much of their attention on token 0"

@@ -1,0 +1,52 @@
+"""The CLI: one-line errors with exit code 2, info as JSON, compare's JSON schema."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvviz.cli import main
+
+
+def test_bad_spec_exits_2_with_one_line(capsys, tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    code = main(["compare", "--prompt-file", str(prompt), "--method", "nosuch:x=1"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1 and "unknown method 'nosuch'" in err and "valid:" in err
+
+
+def test_missing_prompt_file_exits_2(capsys):
+    assert main(["compare", "--prompt-file", "/nonexistent/prompt.txt"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_unknown_model_exits_2(capsys):
+    assert main(["info", "--model", "not a model!"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_info_json_and_compare_json_end_to_end(tmp_path):
+    """Runs the real CLI in a subprocess, as a user would."""
+    info = subprocess.run([sys.executable, "-m", "kvviz", "info", "--json"], capture_output=True, text=True,
+                          check=True)
+    card = json.loads(info.stdout)
+    assert (card["layers"], card["q_heads"], card["kv_heads"], card["head_dim"]) == (30, 9, 3, 64)
+    assert card["attention"] == "GQA" and "2 * 30 layers * 3 kv_heads * 64 head_dim" in card["kv_formula"]
+
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Name a color of the rainbow.")
+    out = tmp_path / "out.json"
+    subprocess.run([sys.executable, "-m", "kvviz", "compare", "--prompt-file", str(prompt), "--chat",
+                    "--method", "full", "--max-new-tokens", "8", "--json", str(out), "--quiet"],
+                   capture_output=True, text=True, check=True)
+    data = json.loads(out.read_text())
+    assert set(data) >= {"model", "device", "prompt_tokens", "results"}
+    result = data["results"][0]
+    assert set(result) >= {"method", "text", "token_ids", "kv_bytes", "kv_bytes_full", "seconds",
+                           "agreement_with_full", "first_divergence"}
+    assert result["method"] == "full" and result["kv_bytes"] == result["kv_bytes_full"]
+    assert len(result["token_ids"]) <= 8
