@@ -1,0 +1,159 @@
+"""A fair run queue for many users sharing one model on one device.
+
+Page loads and cached results never touch it; only runs that need the model do. One worker thread executes runs
+one at a time. Order is round-robin across users (each user's runs FIFO), so a student who queues five comparisons
+does not starve the others. Users see their position, can cancel (queued runs leave at once, a running one stops at
+its next progress report), and a run whose page stopped polling (the browser went away) is dropped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+QUEUED, RUNNING, DONE, FAILED, CANCELLED, ABANDONED = "queued", "running", "done", "failed", "cancelled", "abandoned"
+FINISHED = (DONE, FAILED, CANCELLED, ABANDONED)
+
+
+class Cancelled(Exception):
+    """Raised inside a run when its user cancelled it."""
+
+
+Progress = Callable[[float, str], None]
+Job = Callable[[Progress], Any]
+ErrorFormatter = Callable[[BaseException], str]
+
+
+@dataclass
+class Ticket:
+    """A user's handle on one queued run."""
+
+    user: str
+    job: Job = field(repr=False)
+    number: int = 0
+    status: str = QUEUED
+    fraction: float = 0.0
+    message: str = "waiting"
+    result: Any = None
+    error: str | None = None
+    last_seen: float = field(default_factory=time.monotonic)
+    done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    def touch(self) -> None:
+        """The page is still polling: keep this run."""
+        self.last_seen = time.monotonic()
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def finished(self) -> bool:
+        return self.status in FINISHED
+
+
+class RunQueue:
+    """Round-robin queue with one worker; ``abandon_after`` seconds without ``touch`` drops a queued run."""
+
+    def __init__(self, abandon_after: float = 30.0, format_error: ErrorFormatter | None = None):
+        self.abandon_after = abandon_after
+        self.format_error = format_error or (lambda error: f"{type(error).__name__}: {error}")
+        self._lock = threading.Condition()
+        self._per_user: OrderedDict[str, deque[Ticket]] = OrderedDict()
+        self._numbers = itertools.count(1)
+        self._running: Ticket | None = None
+        self._worker = threading.Thread(target=self._work, name="kvviz-run-queue", daemon=True)
+        self._worker.start()
+
+    def submit(self, user: str, job: Job) -> Ticket:
+        ticket = Ticket(user=user, job=job, number=next(self._numbers))
+        with self._lock:
+            self._per_user.setdefault(user, deque()).append(ticket)
+            self._lock.notify_all()
+        return ticket
+
+    def position(self, ticket: Ticket) -> int:
+        """0 while running or finished; otherwise its place in line (1 = starts next)."""
+        with self._lock:
+            order = self._planned_order()
+            return order.index(ticket) + 1 if ticket.status == QUEUED and ticket in order else 0
+
+    def waiting(self) -> int:
+        with self._lock:
+            return sum(len(q) for q in self._per_user.values())
+
+    def _planned_order(self) -> list[Ticket]:
+        """The order queued runs will start in: one per user per round, users in arrival order."""
+        queues = [list(q) for q in self._per_user.values()]
+        order: list[Ticket] = []
+        for round_ in itertools.zip_longest(*queues):
+            order.extend(t for t in round_ if t is not None)
+        return order
+
+    def _next(self) -> Ticket:
+        with self._lock:
+            while True:
+                self._drop_stale()
+                if self._per_user:
+                    user, queue = next(iter(self._per_user.items()))
+                    ticket = queue.popleft()
+                    del self._per_user[user]
+                    if queue:  # this user goes to the back of the round
+                        self._per_user[user] = queue
+                    ticket.status = RUNNING
+                    self._running = ticket
+                    return ticket
+                self._lock.wait(timeout=1.0)
+
+    def _drop_stale(self) -> None:
+        now = time.monotonic()
+        for user in list(self._per_user):
+            keep = deque()
+            for ticket in self._per_user[user]:
+                if ticket.cancel_requested:
+                    self._finish(ticket, CANCELLED, error="cancelled")
+                elif now - ticket.last_seen > self.abandon_after:
+                    self._finish(ticket, ABANDONED, error="the page went away")
+                else:
+                    keep.append(ticket)
+            if keep:
+                self._per_user[user] = keep
+            else:
+                del self._per_user[user]
+
+    @staticmethod
+    def _finish(ticket: Ticket, status: str, result: Any = None, error: str | None = None) -> None:
+        ticket.status, ticket.result, ticket.error = status, result, error
+        ticket.fraction = 1.0 if status == DONE else ticket.fraction
+        ticket.done.set()
+
+    def _work(self) -> None:
+        while True:
+            ticket = self._next()
+
+            def report(fraction: float, message: str, ticket: Ticket = ticket) -> None:
+                if ticket.cancel_requested:
+                    raise Cancelled
+                ticket.fraction, ticket.message = fraction, message
+
+            try:
+                result = ticket.job(report)
+            except Cancelled:
+                self._finish(ticket, CANCELLED, error="cancelled")
+            except Exception as error:  # noqa: BLE001 - a failing run must never stop the worker
+                self._finish(ticket, FAILED, error=self.format_error(error))
+            else:
+                self._finish(ticket, DONE, result=result)
+            finally:
+                with self._lock:
+                    self._running = None
+                    self._lock.notify_all()

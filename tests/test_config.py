@@ -1,0 +1,36 @@
+"""Settings from the environment and the messages failures turn into."""
+
+import pytest
+import torch
+
+from kvviz.config import Settings, SettingsError
+from kvviz.faults import describe_error
+from kvviz.methods import SpecError
+
+
+def test_defaults_and_class_mode():
+    default = Settings.from_env({})
+    assert default.model == "smollm2-135m-instruct" and not default.class_mode
+    assert default.max_prompt_tokens == 4096 and default.max_new_tokens == 256
+    classroom = Settings.from_env({"KVVIZ_ALLOWED_MODELS": "smollm2-135m-instruct, Qwen/Qwen2.5-0.5B-Instruct",
+                                   "KVVIZ_MAX_NEW_TOKENS": "64"})
+    assert classroom.class_mode and classroom.models_offered == ["smollm2-135m-instruct", "Qwen/Qwen2.5-0.5B-Instruct"]
+    assert classroom.model_allowed("Qwen/Qwen2.5-0.5B-Instruct") and not classroom.model_allowed("evil/model")
+    assert classroom.max_new_tokens == 64
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"KVVIZ_MAX_PROMPT_TOKENS": "lots"}, "not a whole number"),
+    ({"KVVIZ_MAX_NEW_TOKENS": "0"}, "must be positive"),
+    ({"KVVIZ_ALLOWED_MODELS": "a/b", "KVVIZ_MODEL": "c/d"}, "not in KVVIZ_ALLOWED_MODELS"),
+])
+def test_bad_settings_are_named(env, message):
+    with pytest.raises(SettingsError, match=message):
+        Settings.from_env(env)
+
+
+def test_errors_become_actionable_messages():
+    assert "ran out of memory" in describe_error(torch.OutOfMemoryError("CUDA out of memory"))
+    assert describe_error(SpecError("unknown method 'x'; valid: full")) == "unknown method 'x'; valid: full"
+    assert "unreachable" in describe_error(OSError("We couldn't connect to 'https://huggingface.co'"))
+    assert describe_error(RuntimeError("bad\ntrace")) == "RuntimeError: bad"

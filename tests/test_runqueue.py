@@ -1,0 +1,82 @@
+"""The shared run queue: fair order, visible positions, cancel, abandoned pages, failures that don't stop it."""
+
+import threading
+import time
+
+from kvviz.runqueue import ABANDONED, CANCELLED, DONE, FAILED, RunQueue
+
+
+def _blocker():
+    gate = threading.Event()
+
+    def job(progress):
+        gate.wait(5)
+        return "first"
+
+    return gate, job
+
+
+def test_round_robin_across_users_and_positions():
+    queue = RunQueue()
+    gate, job = _blocker()
+    first = queue.submit("alice", job)
+    while first.status != "running":
+        time.sleep(0.01)
+    started: list[str] = []
+
+    def record(name):
+        def job(progress):
+            started.append(name)
+            return name
+        return job
+
+    a2 = queue.submit("alice", record("a2"))
+    a3 = queue.submit("alice", record("a3"))
+    b1 = queue.submit("bob", record("b1"))
+    assert (queue.position(a2), queue.position(b1), queue.position(a3)) == (1, 2, 3)
+    gate.set()
+    for ticket in (a2, a3, b1):
+        assert ticket.done.wait(5)
+    assert started == ["a2", "b1", "a3"], "bob is not stuck behind all of alice's runs"
+    assert first.result == "first" and a3.status == DONE and queue.position(a3) == 0
+
+
+def test_cancel_queued_and_running_runs():
+    queue = RunQueue()
+    gate, job = _blocker()
+    blocker = queue.submit("a", job)
+    queued = queue.submit("b", lambda progress: "never")
+    queued.cancel()
+
+    def long_job(progress):
+        for step in range(1000):
+            progress(step / 1000, "working")
+            time.sleep(0.005)
+        return "finished"
+
+    running = queue.submit("c", long_job)
+    gate.set()
+    while running.status != "running":
+        time.sleep(0.01)
+    running.cancel()
+    assert running.done.wait(5) and queued.done.wait(5)
+    assert running.status == CANCELLED and queued.status == CANCELLED
+    assert blocker.status == DONE
+
+
+def test_abandoned_runs_free_their_slot_and_failures_keep_the_worker_alive():
+    queue = RunQueue(abandon_after=0.05)
+    gate, job = _blocker()
+    queue.submit("a", job)
+    stale = queue.submit("b", lambda progress: "never")
+    time.sleep(0.1)
+    gate.set()
+    assert stale.done.wait(5) and stale.status == ABANDONED
+
+    def crash(progress):
+        raise RuntimeError("boom")
+
+    failed = queue.submit("c", crash)
+    assert failed.done.wait(5) and failed.status == FAILED and "boom" in failed.error
+    after = queue.submit("c", lambda progress: 42)
+    assert after.done.wait(5) and after.result == 42
