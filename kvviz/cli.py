@@ -58,9 +58,22 @@ def _write_json(path: str | None, data: dict) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from kvviz.models import prepare_default_model
+    """Convert the embedded default; optionally download hub models (the Docker build bakes them in)."""
+    from kvviz.models import download_hub_model, prepare_default_model
 
     print(prepare_default_model())
+    for model_id in filter(None, (m.strip() for m in args.hub_models.split(","))):
+        print(download_hub_model(model_id))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print the effective deployment settings; exit 2 naming the variable when one is invalid."""
+    from dataclasses import asdict
+
+    from kvviz.config import Settings
+
+    _write_json("-", asdict(Settings.from_env()))
     return 0
 
 
@@ -137,7 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     prepare = commands.add_parser("prepare", help="convert the embedded default model once (done by make run/test)")
+    prepare.add_argument("--hub-models", default="", help="comma-separated hub ids to download as well")
     prepare.set_defaults(handler=cmd_prepare)
+
+    config = commands.add_parser("config", help="print the deployment settings read from KVVIZ_* variables")
+    config.set_defaults(handler=cmd_config)
 
     info = commands.add_parser("info", help="model card and KV formula")
     _add_model_options(info)

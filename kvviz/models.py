@@ -120,6 +120,18 @@ def prepare_default_model() -> Path:
     return target
 
 
+def download_hub_model(model_id: str) -> str:
+    """Fetch a hub model's files into the Hugging Face cache (for images that must run offline later)."""
+    if not _HUB_ID.match(model_id):
+        raise ModelError(f"{model_id!r} is not a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"])
+    except OSError as error:
+        raise ModelError(f"could not download {model_id!r}: {str(error).splitlines()[0]}") from error
+
+
 def resolve_source(name: str) -> tuple[str, bool]:
     """Map a model name to a loadable path or hub id; returns (source, is_local).
 
