@@ -54,4 +54,17 @@ frame = pd.DataFrame({"context": lengths, "KV cache (MiB)": [card.kv_bytes(n, ba
 figure = px.line(frame, x="context", y="KV cache (MiB)", markers=True, log_x=True,
                  title=f"KV cache grows linearly with context (batch {batch})")
 figure.add_hline(y=card.weight_bytes / 2**20, line_dash="dot", annotation_text="weights")
-st.plotly_chart(figure, use_container_width=True)
+st.plotly_chart(figure, width="stretch")
+
+st.subheader("Explore")
+links = st.columns(5)
+for column, (page, label, text) in zip(links, [
+    ("pages/1_Attention.py", "Attention", "Sinks, heavy hitters and per-head patterns on your prompt."),
+    ("pages/2_Compare.py", "Compare", "Up to six eviction × quantization setups against the full cache."),
+    ("pages/3_Needle.py", "Needle", "Which methods still find a pass key, and where they lost it."),
+    ("pages/4_Memory_planner.py", "Memory planner", "KV gigabytes and sequences per GPU for well-known models."),
+    ("pages/5_Lessons.py", "Lessons", "A five-step walkthrough for a class, run live."),
+], strict=True):
+    with column.container(border=True):
+        st.page_link(page, label=label, icon="➡️")
+        st.caption(text)

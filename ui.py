@@ -5,11 +5,25 @@ Streamlit lives here and in the pages only; the engine (kvviz/) never imports it
 
 from __future__ import annotations
 
+import contextvars
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import streamlit as st
 
+from kvviz.capture import AttentionStats, CaptureConfig, listening
+from kvviz.config import Settings
+from kvviz.memory import model_card
+from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
 from kvviz.models import DEFAULT_MODEL, LoadedModel, ModelError, load_model
+from kvviz.needle import NeedleReport, run_needle_grid
+from kvviz.prompts import LengthCheck, decode_upload, prompt_limit
+from kvviz.results import Comparison
+from kvviz.session import PromptError, PromptSession, compare, encode_prompt
+
+T = TypeVar("T")
+MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
 
 
 def allowed_models() -> list[str]:
@@ -74,3 +88,259 @@ def device_status(loaded: LoadedModel) -> dict[str, str]:
     else:
         status["CPU threads"] = str(torch.get_num_threads())
     return status
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Settings in the URL, prompts, method configurators and cached runs shared by the pages.
+
+
+def settings() -> Settings:
+    """Deployment limits from the environment (upload size, prompt and generation caps)."""
+    return Settings.from_env()
+
+
+def query_value(name: str, default: T, cast: Callable[[str], T] | None = None) -> T:
+    """A setting from the URL's query parameters, or ``default`` when absent or unreadable."""
+    raw = st.query_params.get(name)
+    if raw is None:
+        return default
+    convert = cast or type(default)
+    try:
+        if convert is bool:
+            return raw.lower() in ("1", "true", "yes", "on")  # type: ignore[return-value]
+        return convert(raw)
+    except (TypeError, ValueError):
+        return default
+
+
+def share_settings(**values: object) -> None:
+    """Write the page's settings into the URL so that copying it shares them (lists become repeated keys)."""
+    for name, value in values.items():
+        text = [str(v) for v in value] if isinstance(value, (list, tuple)) else str(int(value) if isinstance(
+            value, bool) else value)
+        current = st.query_params.get_all(name) if isinstance(text, list) else st.query_params.get(name)
+        if current != text:
+            st.query_params[name] = text
+
+
+def prompt_input(key: str, default: str, height: int = 160) -> str:
+    """A prompt from a text box or an uploaded .txt/.md file (size-limited); problems are shown, not raised."""
+    limit = settings().max_upload_mb
+    text = st.text_area("Prompt", default, height=height, key=f"{key}_text")
+    upload = st.file_uploader(f"…or upload a .txt / .md file (up to {limit} MB)", type=["txt", "md"],
+                              key=f"{key}_file")
+    if upload is not None:
+        try:
+            text = decode_upload(upload.name, upload.getvalue(), limit * 2**20)
+            st.caption(f"Using **{upload.name}** ({len(text):,} characters) instead of the text box.")
+        except PromptError as error:
+            st.error(str(error))
+    return text
+
+
+def encode(loaded: LoadedModel, text: str, chat: bool, max_new_tokens: int = 0) -> list[int] | None:
+    """Token ids of the prompt, or None after showing why it cannot run (empty, too long, no template)."""
+    try:
+        ids = encode_prompt(loaded.tokenizer, text, chat=chat)
+    except PromptError as error:
+        st.error(f"Cannot run this prompt: {error}.")
+        return None
+    check = LengthCheck(len(ids), prompt_limit(model_card(loaded).context_length, settings().max_prompt_tokens,
+                                               max_new_tokens))
+    if check.too_long:
+        st.error(check.message)
+        return None
+    return ids
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def token_texts(model_name: str, ids: tuple[int, ...], _tokenizer, skip_special: bool = False) -> list[str]:
+    """Each token decoded on its own, for text shaded token by token."""
+    return [_tokenizer.decode([i], skip_special_tokens=skip_special) for i in ids]
+
+
+def unrecorded(callback: Callable[..., None]) -> Callable[..., None]:
+    """Run Streamlit calls made from inside a cached computation without recording them for cache replay.
+
+    Progress bars live outside the cached function; st.cache_data would otherwise record their updates and fail
+    to replay them on a cache hit. The calls run in a copy of the context with Streamlit's ``in_cached_function``
+    flag unset.
+    """
+    from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function
+
+    def outside_cache(*args: object) -> None:
+        in_cached_function.set(False)
+        callback(*args)
+
+    def run(*args: object) -> None:
+        contextvars.copy_context().run(outside_cache, *args)
+
+    return run
+
+
+def wait_notice(loaded: LoadedModel) -> None:
+    """Tell the user when someone else's run holds the model: theirs starts when it ends."""
+    if loaded.lock.acquire(blocking=False):
+        loaded.lock.release()
+    else:
+        st.info("Another run is using the model right now; yours starts as soon as it finishes.")
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def cached_comparison(model_name: str, prompt_ids: tuple[int, ...], specs: tuple[str, ...], max_new_tokens: int,
+                      _loaded: LoadedModel, _progress: Callable[[float, str], None]) -> Comparison:
+    """compare() keyed by its inputs; the model and the progress callback are not part of the key."""
+    return compare(_loaded, list(prompt_ids), list(specs), max_new_tokens, progress=_progress)
+
+
+def run_comparison(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int) -> Comparison:
+    """A comparison with a live progress bar (instant when the same inputs ran before)."""
+    wait_notice(loaded)
+    bar = st.progress(0.0, text="Starting…")
+    comparison = cached_comparison(loaded.name, tuple(prompt_ids), tuple(specs), max_new_tokens, loaded,
+                                   unrecorded(lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m)))
+    bar.empty()
+    return comparison
+
+
+def methods_of(kind: str) -> list[str]:
+    """Registered method names of one kind, ``full`` first."""
+    return sorted((n for n, c in REGISTRY.items() if c.kind == kind), key=lambda n: (n != "full", n))
+
+
+def _param_widget(param: Param, key: str, initial: object) -> object:
+    """One widget built from a method's parameter declaration."""
+    label, help_text = param.name, f"{param.help} ({param.describe_range()})"
+    if param.choices is not None:
+        options = list(param.choices)
+        return st.selectbox(label, options, index=options.index(initial) if initial in options else 0, key=key,
+                            help=help_text)
+    if param.type is bool:
+        return st.checkbox(label, value=bool(initial), key=key, help=help_text)
+    if param.type is int:
+        return st.number_input(label, value=int(initial), min_value=None if param.min is None else int(param.min),
+                               max_value=None if param.max is None else int(param.max), step=1, key=key,
+                               help=help_text)
+    if param.type is float:
+        return st.number_input(label, value=float(initial), min_value=param.min, max_value=param.max, key=key,
+                               help=help_text, format="%.4f")
+    return st.text_input(label, value=str(initial), key=key, help=help_text)
+
+
+def _initial_values(spec: str) -> dict[str, object]:
+    """Method names and parameter values a SPEC from the URL starts the widgets with."""
+    try:
+        stack = parse_spec(spec)
+    except SpecError:
+        return {}
+    values: dict[str, object] = {}
+    for method in stack.members():
+        values[method.kind] = method.name
+        for param in method.params:
+            value = getattr(method, param.name)
+            values[f"{method.name}.{param.name}"] = str(value) if isinstance(value, Budget) else value
+    return values
+
+
+def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> str | None:
+    """Eviction x quantization widgets for configuration ``index``; returns its SPEC or None (error shown)."""
+    initial = _initial_values(initial_spec)
+    chosen: list[str] = []
+    for kind, none_label in (("eviction", "full"), ("quantization", "none")):
+        options = methods_of(kind) if kind == "eviction" else [none_label, *methods_of(kind)]
+        start = initial.get(kind, none_label)
+        name = st.selectbox(kind.capitalize(), options, index=options.index(start) if start in options else 0,
+                            key=f"{prefix}{index}_{kind}", help="\n\n".join(
+                                f"**{n}**: {REGISTRY[n].summary}" for n in options if n in REGISTRY))
+        if name == none_label:
+            continue
+        values = {p.name: _param_widget(p, f"{prefix}{index}_{name}_{p.name}",
+                                        initial.get(f"{name}.{p.name}", p.default))
+                  for p in REGISTRY[name].params}
+        try:
+            chosen.append(REGISTRY[name](**values).spec())
+        except SpecError as error:
+            st.error(str(error))
+            return None
+    typed = st.text_input("…or type a SPEC", key=f"{prefix}{index}_spec", placeholder="snapkv:budget=64+kivi:bits=2",
+                          help="name[:key=value,...][+name[:key=value,...]]; overrides the widgets above")
+    spec = typed.strip() or "+".join(chosen) or "full"
+    try:
+        return parse_spec(spec).label
+    except SpecError as error:
+        st.error(str(error))
+        return None
+
+
+class _LayerProgress:
+    """An attention listener that reports how far a prefill has got, layer by layer."""
+
+    def __init__(self, layers: int, progress: Callable[[float, str], None]):
+        self.layers = layers
+        self.progress = progress
+
+    def wants(self, layer_idx: int) -> bool:
+        return True
+
+    def observe(self, layer_idx: int, probs: object, query_start: int, query_total: int) -> None:
+        done = query_start + probs.shape[2]  # type: ignore[attr-defined]
+        if done == query_total:
+            self.progress((layer_idx + 1) / self.layers, f"layer {layer_idx + 1} of {self.layers}")
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def cached_attention_stats(model_name: str, prompt_ids: tuple[int, ...], layer: int, sink_tokens: int,
+                           _loaded: LoadedModel, _progress: Callable[[float, str], None]) -> AttentionStats:
+    """Prefill statistics for every layer, plus the attention matrix of every head of ``layer``."""
+    card = model_card(_loaded)
+    config = CaptureConfig(sink_tokens=sink_tokens, matrices=[(layer, h) for h in range(card.q_heads)],
+                           matrix_size=MATRIX_SIZE)
+    with _loaded.lock, listening(_LayerProgress(card.layers, _progress)):
+        return PromptSession(_loaded, list(prompt_ids)).prefill(config).stats
+
+
+def attention_stats(loaded: LoadedModel, prompt_ids: list[int], layer: int, sink_tokens: int) -> AttentionStats:
+    """Prefill statistics with a progress bar (instant when the same inputs ran before)."""
+    wait_notice(loaded)
+    bar = st.progress(0.0, text="Running the prompt…")
+    stats = cached_attention_stats(loaded.name, tuple(prompt_ids), layer, sink_tokens, loaded,
+                                   unrecorded(lambda f, m: bar.progress(min(1.0, f), text=m)))
+    bar.empty()
+    return stats
+
+
+def budget_spec(name: str, tokens: int, **overrides: object) -> str | None:
+    """A SPEC for eviction method ``name`` keeping about ``tokens`` tokens, built from its declared parameters.
+
+    Splits ``tokens`` evenly over its Budget parameters (H2O: heavy and recent); None when the method is not
+    registered, declares no budget, or rejects the values.
+    """
+    method = REGISTRY.get(name)
+    budgets = [p.name for p in method.params if p.type is Budget] if method is not None else []
+    if not budgets:
+        return None
+    values = {name: max(1, tokens // len(budgets)) for name in budgets} | overrides
+    try:
+        return method(**values).spec()
+    except SpecError:
+        return None
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def cached_needle(model_name: str, specs: tuple[str, ...], lengths: tuple[int, ...], depths: tuple[float, ...],
+                  trials: int, mode: str, chat: bool, max_new_tokens: int, _loaded: LoadedModel,
+                  _progress: Callable[[float, str], None]) -> NeedleReport:
+    """The needle grid keyed by its inputs."""
+    return run_needle_grid(_loaded, list(specs), list(lengths), list(depths), trials=trials, chat=chat, mode=mode,
+                           max_new_tokens=max_new_tokens, progress=_progress)
+
+
+def run_needle(loaded: LoadedModel, specs: list[str], lengths: list[int], depths: list[float], trials: int,
+               mode: str, chat: bool, max_new_tokens: int) -> NeedleReport:
+    """The needle grid with a progress bar (instant when the same inputs ran before)."""
+    wait_notice(loaded)
+    bar = st.progress(0.0, text="Building haystacks…")
+    report = cached_needle(loaded.name, tuple(specs), tuple(lengths), tuple(depths), trials, mode, chat,
+                           max_new_tokens, loaded, unrecorded(lambda f, m: bar.progress(min(1.0, f), text=m)))
+    bar.empty()
+    return report

@@ -1,0 +1,140 @@
+"""Capacity planning for well-known models: KV gigabytes for a context and batch, and how many sequences fit.
+
+The model shapes and GPU sizes ship as data in ``assets/model_configs.json``. A plan composes the three families:
+the architecture (MHA, GQA, MQA or MLA, fixed by the model), eviction (a token budget per sequence) and
+quantization (stored bits per element plus per-group metadata, with an optional full-precision residual).
+Sizes are in GB = 10^9 bytes, like the GPU sizes they are compared with.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvviz.memory import ModelCard, card_from_config
+
+CATALOG_PATH = Path(__file__).resolve().parents[1] / "assets" / "model_configs.json"
+GB = 1e9
+METADATA_BITS_PER_GROUP = 32  # one fp16 scale and one fp16 zero point per quantization group
+
+
+@dataclass(frozen=True)
+class Catalog:
+    """Known model configurations (config.json fields plus ``parameters``) and GPU memory sizes in GB."""
+
+    models: dict[str, dict]
+    gpus: dict[str, float]
+
+    def card(self, name: str, dtype: str = "bfloat16") -> ModelCard:
+        """The model card of a catalog entry, with 16-bit weights."""
+        config = self.models[name]
+        return card_from_config(name, config, dtype, weight_bytes=int(config["parameters"] * 2))
+
+
+def load_catalog(path: Path = CATALOG_PATH) -> Catalog:
+    data = json.loads(Path(path).read_text())
+    return Catalog(models=data["models"], gpus={k: float(v) for k, v in data["gpus"].items()})
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One serving scenario.
+
+    ``budget``: eviction budget per sequence, a token count (>= 1) or a ratio of the context (< 1); None keeps all.
+    ``kv_bits``: stored bits per K/V element (16 = bf16/fp16); ``group_size``: elements sharing one scale and zero
+    point (0: no metadata); ``residual_tokens``: most recent tokens kept at 16 bits (KIVI's residual).
+    """
+
+    context: int
+    batch: int = 1
+    budget: float | None = None
+    kv_bits: float = 16
+    group_size: int = 0
+    residual_tokens: int = 0
+    weight_bits: float = 16
+    gpu_gb: float = 80
+    utilization: float = 0.9  # share of GPU memory available to weights + KV (the rest: activations, runtime)
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    tokens_cached: int
+    kv_bytes_per_sequence: int
+    kv_bytes_full_per_sequence: int
+    kv_bytes_total: int
+    weight_bytes: int
+    usable_bytes: int
+    max_sequences: int
+
+    @property
+    def fits(self) -> bool:
+        return self.weight_bytes + self.kv_bytes_total <= self.usable_bytes
+
+    @property
+    def compression(self) -> float:
+        return self.kv_bytes_full_per_sequence / max(1, self.kv_bytes_per_sequence)
+
+
+def cached_tokens(context: int, budget: float | None) -> int:
+    """Tokens an eviction budget keeps out of ``context``."""
+    if budget is None:
+        return context
+    if budget < 1:
+        return min(context, max(1, math.ceil(budget * context)))
+    return min(context, int(budget))
+
+
+def effective_bits(kv_bits: float, group_size: int) -> float:
+    """Bits per element including each group's scale and zero point."""
+    if kv_bits >= 16 or group_size <= 0:
+        return float(kv_bits)
+    return kv_bits + METADATA_BITS_PER_GROUP / group_size
+
+
+def kv_bytes_per_sequence(card: ModelCard, plan: Plan) -> int:
+    """KV bytes one sequence holds under the plan's eviction and quantization."""
+    tokens = cached_tokens(plan.context, plan.budget)
+    residual = min(tokens, plan.residual_tokens) if plan.kv_bits < 16 else 0
+    bits = (tokens - residual) * effective_bits(plan.kv_bits, plan.group_size) + residual * 16
+    return int(card.kv_elements_per_token * bits / 8)
+
+
+def make_plan(card: ModelCard, parameters: float, plan: Plan) -> PlanResult:
+    """Compose the plan for one model; ``parameters`` is its total parameter count."""
+    per_sequence = kv_bytes_per_sequence(card, plan)
+    weights = int(parameters * plan.weight_bits / 8)
+    usable = int(plan.gpu_gb * GB * plan.utilization)
+    room = usable - weights
+    return PlanResult(
+        tokens_cached=cached_tokens(plan.context, plan.budget),
+        kv_bytes_per_sequence=per_sequence,
+        kv_bytes_full_per_sequence=card.kv_elements_per_token * plan.context * 2,
+        kv_bytes_total=per_sequence * plan.batch,
+        weight_bytes=weights,
+        usable_bytes=usable,
+        max_sequences=max(0, room // per_sequence) if per_sequence else 0,
+    )
+
+
+def attention_variants(card: ModelCard) -> dict[str, int]:
+    """16-bit KV bytes per token if this model's layers used MHA, its own GQA, MQA, or (when it has one) MLA."""
+    per_layer_head = 2 * card.head_dim * 2
+    variants = {"MHA": card.layers * card.q_heads * per_layer_head}
+    if card.attention == "GQA":
+        variants[f"GQA ({card.kv_heads} KV heads)"] = card.layers * card.kv_heads * per_layer_head
+    variants["MQA"] = card.layers * per_layer_head
+    if card.attention == "MLA":
+        variants[f"MLA (latent {card.mla_latent_dim})"] = card.layers * card.mla_latent_dim * 2
+    return variants
+
+
+def method_bits(spec: str, head_dim: int) -> float:
+    """Average stored bits per element of a registered quantization method SPEC (metadata included)."""
+    from kvviz.methods import SpecError, parse_spec
+
+    stack = parse_spec(spec)
+    if stack.quantization is None:
+        raise SpecError(f"'{spec}' has no quantization method")
+    return float(stack.quantization.bits_per_element(head_dim))

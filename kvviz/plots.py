@@ -1,0 +1,292 @@
+"""Figure builders for the app: Plotly figures and small HTML snippets, with no Streamlit import (unit-testable).
+
+Every builder takes plain numbers (lists, numpy arrays, torch tensors, pandas frames) and returns a figure or an
+HTML string; the pages only place them.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+HEATMAP_MAX = 256  # cells per side drawn in one heatmap
+MiB = 2**20
+
+
+def as_array(values) -> np.ndarray:
+    """A float numpy array from a tensor, array or list."""
+    if hasattr(values, "detach"):
+        values = values.detach().float().cpu().numpy()
+    return np.asarray(values, dtype=float)
+
+
+def downsample(matrix, size: int = HEATMAP_MAX) -> np.ndarray:
+    """Block-average a 2-D matrix to at most ``size`` x ``size`` cells."""
+    data = as_array(matrix)
+    rows, cols = data.shape
+    row_bins, col_bins = min(rows, size), min(cols, size)
+    if (row_bins, col_bins) == (rows, cols):
+        return data
+    row_index = np.arange(rows) * row_bins // rows
+    col_index = np.arange(cols) * col_bins // cols
+    summed = np.zeros((row_bins, col_bins))
+    np.add.at(summed, (row_index[:, None], col_index[None, :]), data)
+    counts = np.zeros((row_bins, col_bins))
+    np.add.at(counts, (row_index[:, None], col_index[None, :]), 1.0)
+    return summed / np.maximum(counts, 1)
+
+
+def _bin_positions(bins: int, tokens: int) -> np.ndarray:
+    """The first token position each of ``bins`` equal bins over ``tokens`` covers."""
+    return np.ceil(np.arange(bins) * tokens / bins).astype(int)
+
+
+def sink_mass_figure(per_layer: Sequence[float], sink_tokens: int) -> go.Figure:
+    """Bar chart: share of each layer's attention that lands on the first ``sink_tokens`` tokens."""
+    values = [float(v) for v in per_layer]
+    figure = go.Figure(go.Bar(x=list(range(len(values))), y=values, marker_color="#d62728",
+                              hovertemplate="layer %{x}: %{y:.1%}<extra></extra>"))
+    figure.update_layout(title=f"Attention on the first {sink_tokens} tokens, per layer (mean over heads and queries)",
+                         xaxis_title="layer", yaxis_title="share of attention", yaxis_tickformat=".0%",
+                         yaxis_range=[0, 1], height=340, margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def attention_heatmap(matrix, num_tokens: int, title: str, size: int = HEATMAP_MAX) -> go.Figure:
+    """Heatmap of a (possibly block-averaged) attention matrix; axes in token positions.
+
+    The colour scale stops at the 99th percentile so that a strong sink column does not wash out everything else.
+    """
+    data = downsample(matrix, size)
+    rows, cols = data.shape
+    top = float(np.quantile(data, 0.99)) if data.size else 1.0
+    figure = go.Figure(go.Heatmap(
+        z=data, x=_bin_positions(cols, num_tokens), y=_bin_positions(rows, num_tokens), colorscale="Viridis",
+        zmin=0, zmax=max(top, 1e-9), colorbar=dict(title="attention"),
+        hovertemplate="query %{y}, key %{x}: %{z:.3f}<extra></extra>",
+    ))
+    note = "" if rows == num_tokens else f" (downsampled {num_tokens} → {rows} bins)"
+    figure.update_layout(title=title + note, xaxis_title="key position", yaxis_title="query position",
+                         yaxis_autorange="reversed", height=480, margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def head_gallery(matrices: dict[int, object], num_tokens: int, layer: int, columns: int = 3,
+                 size: int = 64) -> go.Figure:
+    """A grid of small heatmaps, one per query head of a layer, each scaled to its own 99th percentile."""
+    heads = sorted(matrices)
+    rows = max(1, math.ceil(len(heads) / columns))
+    figure = make_subplots(rows=rows, cols=columns, subplot_titles=[f"head {h}" for h in heads],
+                           horizontal_spacing=0.04, vertical_spacing=0.08)
+    for index, head in enumerate(heads):
+        data = downsample(matrices[head], size)
+        top = float(np.quantile(data, 0.99)) if data.size else 1.0
+        figure.add_trace(go.Heatmap(z=data, colorscale="Viridis", zmin=0, zmax=max(top, 1e-9), showscale=False,
+                                    hovertemplate=f"head {head}: %{{z:.3f}}<extra></extra>"),
+                         row=index // columns + 1, col=index % columns + 1)
+    figure.update_yaxes(autorange="reversed", showticklabels=False)
+    figure.update_xaxes(showticklabels=False)
+    figure.update_layout(title=f"Layer {layer}: every head's pattern ({num_tokens} tokens)", height=240 * rows + 60,
+                         margin=dict(t=70, b=10, l=10, r=10))
+    return figure
+
+
+def received_attention(key_attention, skip: int = 0) -> np.ndarray:
+    """Mean attention each token receives per query that could see it, summed over heads: [N].
+
+    Key i is visible to N - i queries, so the raw column sums favour early tokens; dividing by that count lets a
+    late heavy hitter stand out as much as an early one. ``skip`` leading tokens (sinks) are set to NaN so they do
+    not dominate the colour scale.
+    """
+    data = as_array(key_attention)
+    summed = data.sum(axis=0) if data.ndim == 2 else data
+    length = summed.shape[0]
+    scores = summed / (length - np.arange(length))
+    if skip:
+        scores[:skip] = np.nan
+    return scores
+
+
+def _style(text: str) -> str:
+    """A token as HTML: escaped, with newlines shown as line breaks."""
+    return html.escape(text).replace("\n", "↵<br>")
+
+
+def token_shading_html(tokens: Sequence[str], scores: Sequence[float], rgb: str = "255,127,14") -> str:
+    """The prompt with each token's background as strong as its score (scaled to the largest; NaN: grey outline)."""
+    values = np.asarray(scores, dtype=float)
+    finite = values[np.isfinite(values)]
+    top = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+    spans = []
+    for position, (token, score) in enumerate(zip(tokens, values, strict=False)):
+        if not np.isfinite(score):
+            spans.append(f'<span title="#{position} sink (excluded)" style="outline:1px dashed #888">'
+                         f"{_style(token)}</span>")
+            continue
+        alpha = min(1.0, score / top)
+        spans.append(f'<span title="#{position}: {score:.4f}" style="background:rgba({rgb},{alpha:.2f})">'
+                     f"{_style(token)}</span>")
+    return _wrap("".join(spans))
+
+
+def _wrap(inner: str) -> str:
+    return ('<div style="font-family:monospace;white-space:pre-wrap;line-height:1.7;max-height:420px;'
+            f'overflow-y:auto;border:1px solid #ddd;padding:8px;border-radius:6px">{inner}</div>')
+
+
+def divergence_html(tokens: Sequence[str], first_divergence: int | None) -> str:
+    """Generated text with everything from the first divergence from the full cache highlighted."""
+    if first_divergence is None or first_divergence >= len(tokens):
+        same, different = "".join(tokens), ""
+    else:
+        same, different = "".join(tokens[:first_divergence]), "".join(tokens[first_divergence:])
+    marked = (f'<span title="differs from full from token {first_divergence}" '
+              f'style="background:rgba(214,39,40,0.25);border-left:3px solid #d62728">{_style(different)}</span>'
+              if different else "")
+    if first_divergence is not None and not different:
+        marked = '<span style="color:#d62728">[ended early]</span>'
+    return _wrap(_style(same) + marked)
+
+
+def kept_fraction(kept_mask) -> np.ndarray:
+    """[N] share of KV heads still caching each token, from a [kv_heads, N] boolean mask."""
+    return as_array(kept_mask).mean(axis=0)
+
+
+def kept_map_html(tokens: Sequence[str], fraction: Sequence[float]) -> str:
+    """The prompt coloured by how many KV heads kept each token: green all, red none, amber some."""
+    spans = []
+    for position, (token, share) in enumerate(zip(tokens, fraction, strict=False)):
+        colour = "44,160,44" if share >= 1 else "214,39,40" if share <= 0 else "255,187,0"
+        alpha = 0.35 if share >= 1 or share <= 0 else 0.5
+        spans.append(f'<span title="#{position}: kept by {share:.0%} of KV heads" '
+                     f'style="background:rgba({colour},{alpha})">{_style(token)}</span>')
+    return _wrap("".join(spans))
+
+
+def kept_heatmap(kept_mask, layer: int, method: str) -> go.Figure:
+    """KV heads x tokens: 1 where the token is still cached, 0 where it was evicted."""
+    data = as_array(kept_mask)
+    figure = go.Figure(go.Heatmap(z=data, colorscale=[[0, "#d62728"], [1, "#2ca02c"]], zmin=0, zmax=1,
+                                  showscale=False, hovertemplate="KV head %{y}, token %{x}: %{z}<extra></extra>"))
+    figure.update_layout(title=f"{method}: layer {layer}, kept (green) and evicted (red) per KV head",
+                         xaxis_title="token position", yaxis_title="KV head", height=120 + 40 * data.shape[0],
+                         margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def memory_figure(frame: pd.DataFrame, weight_bytes: int) -> go.Figure:
+    """Per method: measured KV bytes split into codes / metadata / full precision, the full-cache formula, weights.
+
+    ``frame`` columns: method, codes, metadata, full_precision, formula (bytes).
+    """
+    figure = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=(
+        "KV cache per method: measured (bars) vs full-cache formula (◆)", "Weights vs KV cache"))
+    parts = (("full_precision", "full precision", "#1f77b4"), ("codes", "quantized codes", "#ff7f0e"),
+             ("metadata", "scales / zero points", "#9467bd"))
+    for column, label, colour in parts:
+        figure.add_trace(go.Bar(x=frame["method"], y=frame[column] / MiB, name=label, marker_color=colour,
+                                hovertemplate="%{x}: %{y:.3f} MiB<extra>" + label + "</extra>"), row=1, col=1)
+    figure.add_trace(go.Scatter(x=frame["method"], y=frame["formula"] / MiB, mode="markers", name="formula (full)",
+                                marker=dict(symbol="diamond", size=11, color="black")), row=1, col=1)
+    total = frame[[p[0] for p in parts]].sum(axis=1) / MiB
+    figure.add_trace(go.Bar(x=frame["method"], y=[weight_bytes / MiB] * len(frame), name="weights",
+                            marker_color="#7f7f7f"), row=1, col=2)
+    figure.add_trace(go.Bar(x=frame["method"], y=total, name="KV (measured)", marker_color="#2ca02c"), row=1, col=2)
+    figure.update_layout(barmode="stack", height=420, legend=dict(orientation="h", y=-0.25),
+                         margin=dict(t=50, b=40, l=50, r=20))
+    figure.update_yaxes(title_text="MiB", row=1, col=1)
+    figure.update_yaxes(title_text="MiB", row=1, col=2)
+    return figure
+
+
+def kv_growth_figure(per_step: dict[str, Sequence[int]]) -> go.Figure:
+    """KV bytes held after each decode step, one line per method."""
+    figure = go.Figure()
+    for method, values in per_step.items():
+        figure.add_trace(go.Scatter(y=[v / MiB for v in values], mode="lines", name=method))
+    figure.update_layout(title="KV cache size during generation", xaxis_title="decode step", yaxis_title="MiB",
+                         height=340, margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def needle_heatmaps(frame: pd.DataFrame) -> go.Figure:
+    """One heatmap per method: share of trials that found the needle, depth (x) by prompt length (y)."""
+    methods = list(dict.fromkeys(frame["method"]))
+    columns = min(3, max(1, len(methods)))
+    rows = math.ceil(len(methods) / columns)
+    figure = make_subplots(rows=rows, cols=columns, subplot_titles=methods, horizontal_spacing=0.08,
+                           vertical_spacing=0.15)
+    for index, method in enumerate(methods):
+        grid = (frame[frame["method"] == method].assign(found=lambda f: f["found"].astype(float))
+                .pivot_table(index="length", columns="depth", values="found", aggfunc="mean").sort_index())
+        figure.add_trace(go.Heatmap(
+            z=grid.values, x=[f"{d:.0%}" for d in grid.columns], y=[str(v) for v in grid.index], zmin=0, zmax=1,
+            colorscale=[[0, "#d62728"], [0.5, "#ffbb00"], [1, "#2ca02c"]], showscale=index == 0,
+            text=[[f"{v:.0%}" for v in row] for row in grid.values], texttemplate="%{text}",
+            hovertemplate="depth %{x}, length %{y}: found %{z:.0%}<extra>" + method + "</extra>",
+        ), row=index // columns + 1, col=index % columns + 1)
+    figure.update_xaxes(title_text="needle depth")
+    figure.update_yaxes(title_text="prompt tokens", type="category")
+    figure.update_layout(title="Needle found (share of trials)", height=320 * rows + 60,
+                         margin=dict(t=80, b=40, l=60, r=20))
+    return figure
+
+
+def needle_eviction_figure(failures: pd.DataFrame) -> go.Figure:
+    """For failed trials: when the needle was evicted (0 = at prefill) and in how many layers."""
+    data = failures.assign(step=failures["evicted_step"].fillna(-1),
+                           layers=failures["evicted_layers"].map(_count_layers))
+    figure = go.Figure()
+    for method, group in data.groupby("method", sort=False):
+        figure.add_trace(go.Scatter(
+            x=group["depth"], y=group["step"], mode="markers", name=str(method),
+            marker=dict(size=8 + group["layers"].clip(upper=30) / 2),
+            customdata=np.stack([group["length"], group["layers"]], axis=-1),
+            hovertemplate="depth %{x:.0%}, length %{customdata[0]}: evicted at step %{y} "
+                          "in %{customdata[1]} layers<extra>" + str(method) + "</extra>",
+        ))
+    figure.update_layout(title="Failures: when the needle left the cache (−1: never evicted; 0: at prefill)",
+                         xaxis_title="needle depth", xaxis_tickformat=".0%", yaxis_title="eviction step",
+                         height=360, margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def _count_layers(value) -> int:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return 0
+    if isinstance(value, (list, tuple, np.ndarray)):
+        return len(value)
+    return int(value)
+
+
+def planner_context_figure(card_bytes_per_token: dict[str, float], contexts: Sequence[int], batch: int,
+                           gpu_gb: float | None = None) -> go.Figure:
+    """KV GB against context length, one line per attention variant or scenario (bytes per token given)."""
+    figure = go.Figure()
+    for name, per_token in card_bytes_per_token.items():
+        figure.add_trace(go.Scatter(x=list(contexts), y=[per_token * n * batch / 1e9 for n in contexts],
+                                    mode="lines+markers", name=name))
+    if gpu_gb:
+        figure.add_hline(y=gpu_gb, line_dash="dot", annotation_text=f"GPU {gpu_gb:g} GB")
+    figure.update_layout(title=f"KV cache for batch {batch}", xaxis_title="context (tokens)", xaxis_type="log",
+                         yaxis_title="GB", yaxis_type="log", height=380, margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def gpu_budget_figure(weight_gb: float, kv_gb: float, usable_gb: float, gpu_gb: float) -> go.Figure:
+    """One stacked bar: weights + KV against the usable and total GPU memory."""
+    figure = go.Figure([
+        go.Bar(y=["memory"], x=[weight_gb], name="weights", orientation="h", marker_color="#7f7f7f"),
+        go.Bar(y=["memory"], x=[kv_gb], name="KV cache", orientation="h", marker_color="#2ca02c"),
+    ])
+    figure.add_vline(x=usable_gb, line_dash="dot", annotation_text="usable")
+    figure.add_vline(x=gpu_gb, line_color="black", annotation_text="GPU")
+    figure.update_layout(barmode="stack", height=200, xaxis_title="GB", margin=dict(t=30, b=40, l=60, r=20))
+    return figure

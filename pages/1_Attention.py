@@ -1,0 +1,79 @@
+"""Attention: where a real model's attention goes on your prompt (sinks, heavy hitters, per-head patterns)."""
+
+import streamlit as st
+
+from kvviz import plots
+from kvviz.memory import model_card
+from ui import (
+    attention_stats,
+    encode,
+    model_picker,
+    prompt_input,
+    query_value,
+    share_settings,
+    token_texts,
+)
+
+DEFAULT_PROMPT = (
+    "The committee met on Tuesday to decide where the new bridge should go. The engineers preferred the northern "
+    "site because the riverbed there is solid granite. The mayor preferred the southern site because it is closer "
+    "to the market. After two hours the committee chose the northern site, and the mayor agreed on one condition: "
+    "a footpath to the market must be built first."
+)
+
+st.set_page_config(page_title="kvviz · Attention", page_icon="🗜️", layout="wide")
+st.title("Where attention goes")
+st.caption("One forward pass over the prompt with kvviz's attention capture: per layer and head, how much attention "
+           "lands on the first tokens (sinks), which tokens receive the most (heavy hitters), and what each head's "
+           "pattern looks like. Long prompts are downsampled, never refused for size.")
+
+loaded = model_picker()
+if loaded is None:
+    st.stop()
+card = model_card(loaded)
+
+with st.sidebar:
+    st.subheader("Capture")
+    chat = st.toggle("Chat template", query_value("chat", False), key="chat")
+    sinks = st.number_input("Sink tokens", 1, 16, query_value("sinks", 4), key="sinks",
+                            help="How many leading tokens count as attention sinks.")
+    layer = st.slider("Layer", 0, card.layers - 1, min(card.layers - 1, query_value("layer", card.layers // 2)),
+                      key="layer")
+    head = st.selectbox("Query head", list(range(card.q_heads)), index=min(card.q_heads - 1, query_value("head", 0)),
+                        key="head")
+share_settings(chat=chat, sinks=int(sinks), layer=layer, head=head)
+
+text = prompt_input("attention", DEFAULT_PROMPT, height=120)
+ids = encode(loaded, text, chat)
+if ids is None:
+    st.stop()
+stats = attention_stats(loaded, ids, layer, int(sinks))
+
+per_layer = stats.sink_mass_per_layer()
+left, middle, right = st.columns(3)
+left.metric("Prompt tokens", len(ids))
+middle.metric(f"Attention on the first {sinks} tokens", f"{sum(per_layer) / len(per_layer):.0%}",
+              help="Mean over layers, heads and queries after the sinks.")
+right.metric(f"Layer {layer}", f"{per_layer[layer]:.0%}")
+st.plotly_chart(plots.sink_mass_figure(per_layer, int(sinks)), width="stretch")
+
+st.subheader(f"Layer {layer}, head {head}")
+st.plotly_chart(plots.attention_heatmap(stats.matrices[(layer, head)], len(ids),
+                                        f"Attention of layer {layer}, head {head}"), width="stretch")
+
+st.subheader("Heavy hitters")
+scope = st.radio("Score", ["this layer", "mean over all layers"], horizontal=True, key="scope",
+                 help="Attention each token receives per query that can see it, summed over heads.")
+hide_sinks = st.checkbox(f"Leave the first {sinks} tokens out of the colour scale", True, key="hide_sinks")
+if scope == "this layer":
+    scores = plots.received_attention(stats.key_attention[layer], int(sinks) if hide_sinks else 0)
+else:
+    scores = sum(plots.received_attention(stats.key_attention[k], int(sinks) if hide_sinks else 0)
+                 for k in stats.key_attention) / len(stats.key_attention)
+tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)
+st.html(plots.token_shading_html(tokens, scores))
+st.caption("Darker tokens receive more attention; hover a token for its position and score.")
+
+st.subheader("Every head of this layer")
+st.plotly_chart(plots.head_gallery({h: stats.matrices[(layer, h)] for h in range(card.q_heads)}, len(ids), layer),
+                width="stretch")

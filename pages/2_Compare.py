@@ -1,0 +1,173 @@
+"""Compare: one prompt, up to six cache configurations, replayed against the full cache."""
+
+import json
+
+import pandas as pd
+import streamlit as st
+
+from kvviz import plots
+from kvviz.memory import model_card
+from kvviz.methods import REGISTRY
+from ui import (
+    encode,
+    method_configurator,
+    methods_of,
+    model_picker,
+    prompt_input,
+    query_value,
+    run_comparison,
+    settings,
+    share_settings,
+    token_texts,
+)
+
+MAX_CONFIGS = 6
+DEFAULT_PROMPT = (
+    "Mara keeps bees on the roof of the old library. Her notebook says the blue hive swarmed on the third of May, "
+    "the white hive produced nine kilos of honey, and the smallest hive, painted green, lost its queen in August "
+    "but raised a new one within three weeks. She sells the honey at the Saturday market and gives the beeswax to "
+    "a candle maker called Tomas.\n\nWhich hive lost its queen, and who receives the beeswax?"
+)
+
+st.set_page_config(page_title="kvviz · Compare", page_icon="🗜️", layout="wide")
+st.title("Compare cache configurations")
+st.caption("The prompt runs through the model once; each configuration then generates from its own copy of the "
+           "cache. `full` keeps everything and is the reference every other output is compared with.")
+
+loaded = model_picker()
+if loaded is None:
+    st.stop()
+
+
+def default_specs() -> list[str]:
+    """full, plus the first registered eviction and quantization methods with their defaults."""
+    specs = ["full"]
+    evictions = [n for n in methods_of("eviction") if n != "full"]
+    preferred = [n for n in ("streaming_llm", "snapkv", "window") if n in evictions] + evictions
+    if preferred:
+        specs.append(preferred[0])
+    quantizers = methods_of("quantization")
+    if quantizers:
+        specs.append("kivi" if "kivi" in quantizers else quantizers[0])
+    return specs
+
+
+url_specs = st.query_params.get_all("m") or default_specs()
+cap = settings().max_new_tokens
+with st.sidebar:
+    st.subheader("Generation")
+    max_new = st.number_input("Max new tokens", 1, cap, min(cap, query_value("n", 24)), key="max_new")
+    chat = st.toggle("Chat template", query_value("chat", True), key="chat",
+                     help="Wrap the prompt as one user turn, as the instruct model expects.")
+    count = st.number_input("Configurations", 1, MAX_CONFIGS, min(MAX_CONFIGS, len(url_specs)), key="configs")
+
+text = prompt_input("compare", DEFAULT_PROMPT)
+
+st.subheader("Configurations")
+st.caption(f"{len([n for n in REGISTRY if REGISTRY[n].kind == 'eviction']) - 1} eviction and "
+           f"{len(methods_of('quantization'))} quantization methods are registered; parameters come from each "
+           "method's own declaration.")
+specs: list[str | None] = []
+columns = st.columns(3)
+for index in range(int(count)):
+    with columns[index % 3].container(border=True):
+        st.markdown(f"**Configuration {index + 1}**")
+        specs.append(method_configurator(index, url_specs[index] if index < len(url_specs) else "full"))
+
+valid = list(dict.fromkeys(s for s in specs if s is not None))
+share_settings(m=valid, n=int(max_new), chat=chat)
+ids = encode(loaded, text, chat, int(max_new))
+ready = ids is not None and None not in specs
+if st.button("Run comparison", type="primary", disabled=not ready):
+    st.session_state["compare_request"] = (tuple(ids), tuple(valid), int(max_new))
+
+request = st.session_state.get("compare_request")
+if request is None:
+    st.info("Set up the configurations and press **Run comparison**.")
+    st.stop()
+if request != (tuple(ids or ()), tuple(valid), int(max_new)):
+    st.caption("Showing the last run; the settings above have changed since. Press **Run comparison** again.")
+
+comparison = run_comparison(loaded, list(request[0]), list(request[1]), request[2])
+results = comparison.results
+st.success(f"{len(results)} configurations on {comparison.prompt_tokens} prompt tokens "
+           f"(prefill {comparison.prefill_seconds:.2f} s on {comparison.device}).")
+
+st.subheader("Outputs")
+st.caption("Red marks where an output first departs from the full cache's.")
+columns = st.columns(min(3, len(results)))
+for index, result in enumerate(results):
+    with columns[index % len(columns)]:
+        st.markdown(f"**{result.method}**")
+        if result.error:
+            st.error(result.error)
+            continue
+        tokens = token_texts(loaded.name, tuple(result.token_ids), loaded.tokenizer, skip_special=True)
+        st.html(plots.divergence_html(tokens, result.first_divergence))
+        if result.agreement_with_full is not None:
+            st.caption(f"agreement with full {result.agreement_with_full:.0%} · "
+                       f"first divergence {'none' if result.first_divergence is None else result.first_divergence}")
+
+
+def mean_kl(result) -> float | None:
+    """The quality metric's mean KL from full, when the metrics module provides it."""
+    value = getattr(result, "mean_kl", None)
+    return value() if callable(value) else value
+
+
+table = pd.DataFrame([{
+    "method": r.method,
+    "agreement": r.agreement_with_full,
+    "mean KL": mean_kl(r),
+    "first divergence": r.first_divergence,
+    "KV bytes": r.kv_bytes,
+    "full KV bytes": r.kv_bytes_full,
+    "compression": r.compression,
+    "seconds": round(r.seconds, 3),
+    "error": r.error or "",
+} for r in results])
+st.subheader("Quality and memory")
+st.dataframe(table, hide_index=True, width="stretch", column_config={
+    "agreement": st.column_config.ProgressColumn("agreement", min_value=0.0, max_value=1.0, format="percent"),
+    "compression": st.column_config.NumberColumn("compression", format="%.2fx"),
+})
+
+measured = [r for r in results if r.error is None]
+memory = pd.DataFrame([{
+    "method": r.method, "codes": r.kv_breakdown.codes, "metadata": r.kv_breakdown.metadata,
+    "full_precision": r.kv_breakdown.full_precision, "formula": r.kv_bytes_full,
+} for r in measured])
+if not memory.empty:
+    st.plotly_chart(plots.memory_figure(memory, model_card(loaded).weight_bytes), width="stretch")
+    st.plotly_chart(plots.kv_growth_figure({r.method: r.kv_bytes_per_step for r in measured}),
+                    width="stretch")
+
+st.subheader("Kept and evicted tokens")
+with_ledger = [r for r in measured if r.ledger is not None and bool((r.ledger.evicted_at >= 0).any())]
+if not with_ledger:
+    st.caption("Nothing was evicted in this run: every configuration kept the whole prompt.")
+else:
+    card = model_card(loaded)
+    pick, layer_col, step_col = st.columns(3)
+    names = [r.method for r in with_ledger]
+    wanted = query_value("kept", names[0], str)
+    chosen = pick.selectbox("Method", names, index=names.index(wanted) if wanted in names else 0, key="kept_method")
+    result = with_ledger[names.index(chosen)]
+    layer = layer_col.slider("Layer", 0, card.layers - 1, min(card.layers - 1, query_value("layer", 0)),
+                             key="kept_layer")
+    last_step = max(0, len(result.token_ids) - 1)
+    step = step_col.slider("After decode step (0 = right after prefill)", 0, last_step, last_step, key="kept_step")
+    share_settings(kept=chosen, layer=layer)
+    mask = result.ledger.kept_mask(step, comparison.prompt_tokens)[layer]
+    prompt_tokens = token_texts(loaded.name, tuple(comparison.prompt_ids), loaded.tokenizer)
+    fraction = plots.kept_fraction(mask)
+    st.caption(f"{chosen}, layer {layer}, after step {step}: {fraction.mean():.0%} of prompt tokens cached "
+               "(green: every KV head kept it, amber: some, red: none).")
+    st.html(plots.kept_map_html(prompt_tokens, fraction))
+    st.plotly_chart(plots.kept_heatmap(mask, layer, chosen), width="stretch")
+
+st.subheader("Download")
+left, right = st.columns(2)
+left.download_button("Results as CSV", table.to_csv(index=False), "kvviz-compare.csv", "text/csv")
+right.download_button("Results as JSON", json.dumps(comparison.to_json(), indent=1), "kvviz-compare.json",
+                      "application/json")

@@ -1,0 +1,120 @@
+"""Memory planner: KV gigabytes of well-known models, and how many sequences fit on a GPU next to the weights."""
+
+import pandas as pd
+import streamlit as st
+
+from kvviz import plots
+from kvviz.methods import SpecError
+from kvviz.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
+from ui import methods_of, query_value, share_settings
+
+st.set_page_config(page_title="kvviz · Memory planner", page_icon="🗜️", layout="wide")
+st.title("Memory planner")
+st.caption("No model runs here: the numbers follow from each model's published shape. Architecture decides bytes "
+           "per token (MHA, GQA, MQA, MLA); eviction caps the tokens kept; quantization shrinks the bits per "
+           "element. The three multiply. GB = 10⁹ bytes.")
+
+catalog = load_catalog()
+names = list(catalog.models)
+gpus = list(catalog.gpus)
+wanted_model = query_value("model_config", "Llama-3-8B", str)
+wanted_gpu = query_value("gpu", "NVIDIA A100 (80 GB)", str)
+
+left, right = st.columns([1, 2])
+with left:
+    name = st.selectbox("Model", names, index=names.index(wanted_model) if wanted_model in names else 0,
+                        key="model_config")
+    card = catalog.card(name)
+    limit = max(card.context_length, 4096)
+    contexts = [2**k for k in range(9, 20) if 2**k <= limit]
+    context = query_value("context", 8192)
+    context = st.select_slider("Context (tokens)", contexts, value=context if context in contexts else contexts[-1],
+                               key="context")
+    batch = st.number_input("Concurrent sequences (batch)", 1, 4096, query_value("batch", 8), key="batch")
+    gpu = st.selectbox("GPU", gpus, index=gpus.index(wanted_gpu) if wanted_gpu in gpus else 0, key="gpu")
+    weight_bits = st.select_slider("Weight bits", [4, 8, 16], value=query_value("wbits", 16) if query_value(
+        "wbits", 16) in (4, 8, 16) else 16, key="wbits")
+    utilization = st.slider("Usable share of GPU memory", 0.5, 1.0, query_value("util", 0.9), 0.05, key="util",
+                            help="The rest holds activations and the runtime (vLLM's default is 0.9).")
+
+    st.markdown("**Eviction**")
+    budget_kind = st.radio("Budget", ["keep all", "tokens", "ratio"], horizontal=True,
+                           index=["keep all", "tokens", "ratio"].index(query_value("evict", "keep all", str))
+                           if query_value("evict", "keep all", str) in ("keep all", "tokens", "ratio") else 0,
+                           key="evict")
+    budget = None
+    if budget_kind == "tokens":
+        budget = float(st.number_input("Tokens kept per sequence", 1, 1 << 20, query_value("budget", 1024),
+                                       key="budget_tokens"))
+    elif budget_kind == "ratio":
+        budget = st.slider("Share of the context kept", 0.01, 0.99, query_value("ratio", 0.2), 0.01, key="ratio")
+
+    st.markdown("**Quantization**")
+    quantizers = methods_of("quantization")
+    source = st.radio("Bits from", ["generic", *(["a registered method"] if quantizers else [])], horizontal=True,
+                      key="qsource")
+    group, residual = 0, 0
+    if source == "generic":
+        bits = query_value("kvbits", 16)
+        bits = st.select_slider("KV bits per element", [1, 2, 3, 4, 8, 16], value=bits if bits in (
+            1, 2, 3, 4, 8, 16) else 16, key="kvbits")
+        if bits < 16:
+            group = st.number_input("Group size (elements per scale + zero point)", 8, 1024,
+                                    query_value("group", 32), key="group")
+            residual = st.number_input("Recent tokens kept at 16 bits (residual)", 0, 1 << 16,
+                                       query_value("residual", 0), key="residual")
+    else:
+        spec = st.text_input("Quantization SPEC", quantizers[0], key="qspec",
+                             help=f"One of: {', '.join(quantizers)}, with parameters, e.g. kivi:bits=2")
+        try:
+            bits = method_bits(spec, card.head_dim)
+            st.caption(f"{spec}: {bits:.2f} bits per element, metadata included")
+        except (SpecError, NotImplementedError) as error:
+            st.error(str(error) or "this method does not report its bits per element")
+            bits = 16
+share_settings(model_config=name, context=context, batch=int(batch), gpu=gpu, wbits=weight_bits, util=utilization,
+               evict=budget_kind, kvbits=bits if source == "generic" else 16, group=int(group) or 32,
+               residual=int(residual), **({"budget": int(budget)} if budget_kind == "tokens" else {}),
+               **({"ratio": budget} if budget_kind == "ratio" else {}))
+
+plan = Plan(context=int(context), batch=int(batch), budget=budget, kv_bits=float(bits), group_size=int(group),
+            residual_tokens=int(residual), weight_bits=weight_bits, gpu_gb=catalog.gpus[gpu], utilization=utilization)
+result = make_plan(card, catalog.models[name]["parameters"], plan)
+
+with right:
+    st.subheader(f"{name}: {card.attention}, {card.layers} layers, {card.kv_heads} KV heads × {card.head_dim}"
+                 if card.attention != "MLA" else f"{name}: MLA, {card.layers} layers, latent {card.mla_latent_dim}")
+    a, b, c, d = st.columns(4)
+    a.metric("KV per sequence", f"{result.kv_bytes_per_sequence / GB:,.2f} GB",
+             delta=f"{result.compression:,.1f}x smaller" if result.compression > 1.001 else None)
+    b.metric(f"KV for {batch}", f"{result.kv_bytes_total / GB:,.1f} GB")
+    c.metric("Weights", f"{result.weight_bytes / GB:,.1f} GB")
+    d.metric("Sequences that fit", f"{result.max_sequences:,}")
+    if result.weight_bytes > result.usable_bytes:
+        st.error(f"The weights alone ({result.weight_bytes / GB:,.0f} GB) exceed the usable memory of one {gpu}: "
+                 "this model needs several GPUs or fewer weight bits.")
+    elif result.fits:
+        st.success(f"{batch} sequences of {context:,} tokens fit; up to {result.max_sequences:,} would.")
+    else:
+        st.warning(f"{batch} sequences of {context:,} tokens do not fit; at most {result.max_sequences:,} do.")
+    st.plotly_chart(plots.gpu_budget_figure(result.weight_bytes / GB, result.kv_bytes_total / GB,
+                                            result.usable_bytes / GB, catalog.gpus[gpu]), width="stretch")
+    per_token = {f"{k} (16-bit)": v for k, v in attention_variants(card).items()}
+    per_token["this plan"] = result.kv_bytes_per_sequence / max(1, context)
+    st.plotly_chart(plots.planner_context_figure(per_token, contexts, int(batch), catalog.gpus[gpu]),
+                    width="stretch")
+    st.caption("Architecture lines show what this model's layers would cache per token with every query head "
+               "owning its K and V (MHA), with its own grouping, with one shared K/V head (MQA), and with a latent "
+               "(MLA, DeepSeek). 'This plan' applies the eviction and quantization chosen on the left.")
+
+st.subheader("All shipped models under this plan")
+rows = []
+for other in names:
+    other_card = catalog.card(other)
+    other_plan = Plan(**{**plan.__dict__, "context": min(int(context), max(other_card.context_length, 1))})
+    outcome = make_plan(other_card, catalog.models[other]["parameters"], other_plan)
+    rows.append({"model": other, "attention": other_card.attention, "context": other_plan.context,
+                 "KV bytes / token (16-bit)": other_card.kv_bytes_per_token,
+                 "KV GB / sequence": round(outcome.kv_bytes_per_sequence / GB, 3),
+                 "weights GB": round(outcome.weight_bytes / GB, 1), "sequences that fit": outcome.max_sequences})
+st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")

@@ -1,0 +1,76 @@
+"""Figure builders: shapes, downsampling and the HTML the pages place."""
+
+import numpy as np
+import pandas as pd
+import torch
+
+from kvviz import plots
+
+
+def test_downsample_keeps_row_sums_and_bounds():
+    matrix = torch.softmax(torch.randn(1000, 1000), dim=-1)
+    small = plots.downsample(matrix, 100)
+    assert small.shape == (100, 100)
+    # block averages: each cell is a mean, so rows sum to (row sum) / (columns per bin)
+    assert np.allclose(small.sum(axis=1) * 10, 1.0, atol=1e-4)
+    assert plots.downsample(np.ones((5, 7)), 100).shape == (5, 7)
+
+
+def test_heatmap_downsamples_long_prompts():
+    figure = plots.attention_heatmap(np.random.rand(3000, 3000), 3000, "t", size=128)
+    heat = figure.data[0]
+    assert np.asarray(heat.z).shape == (128, 128)
+    assert heat.x[-1] < 3000 and "downsampled" in figure.layout.title.text
+
+
+def test_sink_mass_and_gallery():
+    assert list(plots.sink_mass_figure([0.1, 0.5], 4).data[0].y) == [0.1, 0.5]
+    gallery = plots.head_gallery({h: np.eye(10) for h in range(5)}, 10, layer=2)
+    assert len(gallery.data) == 5
+
+
+def test_received_attention_normalises_by_visible_queries():
+    # every query puts equal mass on every visible key: all keys then receive the same mean attention per query
+    n = 6
+    causal = np.tril(np.ones((n, n))) / np.arange(1, n + 1)[:, None]
+    scores = plots.received_attention(causal.sum(axis=0)[None, :])
+    assert scores[0] > scores[-1]  # earlier keys are seen by more queries
+    raw = plots.received_attention(np.ones((2, n)), skip=2)
+    assert np.isnan(raw[:2]).all() and np.all(np.diff(raw[2:]) > 0)
+
+
+def test_html_snippets_escape_and_mark():
+    shaded = plots.token_shading_html(["<b>", " x"], [np.nan, 1.0])
+    assert "&lt;b&gt;" in shaded and "rgba(255,127,14,1.00)" in shaded and "sink" in shaded
+    marked = plots.divergence_html(["a", "b", "c"], 1)
+    assert marked.index("a") < marked.index("border-left") < marked.index(">bc<")
+    assert "border-left" not in plots.divergence_html(["a"], None)
+    kept = plots.kept_map_html(["a", "b", "c"], plots.kept_fraction(torch.tensor([[1, 0, 1], [1, 0, 0]])))
+    assert kept.count("44,160,44") == 1 and kept.count("214,39,40") == 1 and kept.count("255,187,0") == 1
+
+
+def test_memory_figure_splits_codes_and_metadata():
+    frame = pd.DataFrame({"method": ["full", "kivi"], "codes": [0, 300], "metadata": [0, 50],
+                          "full_precision": [1000, 100], "formula": [1000, 1000]})
+    figure = plots.memory_figure(frame, weight_bytes=10_000)
+    names = [trace.name for trace in figure.data]
+    assert {"quantized codes", "scales / zero points", "full precision", "formula (full)", "weights"} <= set(names)
+
+
+def test_needle_figures():
+    frame = pd.DataFrame({
+        "method": ["full", "full", "window", "window"], "length": [128, 128, 128, 128], "depth": [0.1, 0.9, 0.1, 0.9],
+        "found": [True, True, False, True], "survived": [True, True, False, True],
+        "evicted_step": [None, None, 0, None], "evicted_layers": [[], [], [0, 1, 2], []],
+    })
+    heat = plots.needle_heatmaps(frame)
+    assert len(heat.data) == 2 and np.asarray(heat.data[1].z).tolist() == [[0.0, 1.0]]
+    failures = frame[~frame["found"]]
+    scatter = plots.needle_eviction_figure(failures)
+    assert list(scatter.data[0].y) == [0] and scatter.data[0].customdata[0][1] == 3
+
+
+def test_planner_figures():
+    figure = plots.planner_context_figure({"MHA": 1000.0, "GQA": 250.0}, [1024, 2048], batch=2, gpu_gb=80)
+    assert len(figure.data) == 2 and figure.data[0].y[0] == 1000 * 1024 * 2 / 1e9
+    assert len(plots.gpu_budget_figure(16, 8, 72, 80).data) == 2
