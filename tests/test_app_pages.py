@@ -1,0 +1,105 @@
+"""Every page through streamlit.testing's AppTest, driving real runs of the default model.
+
+Runs are kept small (short prompts, a handful of tokens); the model itself is loaded once per process by
+st.cache_resource and shared by all pages.
+"""
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 300
+
+
+def page(name: str, **params) -> AppTest:
+    app = AppTest.from_file(str(ROOT / "pages" / name), default_timeout=TIMEOUT)
+    for key, value in params.items():
+        app.query_params[key] = value
+    return app.run()
+
+
+def texts(elements) -> list[str]:
+    return [str(e.value) for e in elements]
+
+
+def test_attention_page_shows_sinks_heatmaps_and_shading(monkeypatch):
+    app = page("1_Attention.py", layer="5", head="2", sinks="1")
+    assert not app.exception and not app.error
+    metrics = {m.label: m.value for m in app.metric}
+    assert int(metrics["Prompt tokens"]) > 40
+    assert metrics["Layer 5"].endswith("%")
+    assert len(app.get("plotly_chart")) == 3  # sink mass, heatmap, head gallery
+    assert any("Layer 5, head 2" in s.value for s in app.subheader)
+    assert app.slider(key="layer").value == 5
+
+    app.text_area(key="attention_text").set_value("   ").run()
+    assert "the prompt is empty" in " ".join(texts(app.error))
+    monkeypatch.setenv("KVVIZ_MAX_PROMPT_TOKENS", "10")
+    app.text_area(key="attention_text").set_value("A sentence that is clearly longer than ten tokens, "
+                                                  "because it goes on and on.").run()
+    assert "this server allows 10" in " ".join(texts(app.error))
+    assert not app.exception
+
+
+def test_compare_page_runs_methods_and_reports(monkeypatch):
+    specs = ["full", "streaming_llm:sinks=2,window=16", "kivi:residual=0"]
+    app = page("2_Compare.py", m=specs, n="4")
+    assert not app.exception and not app.error
+    assert app.number_input(key="configs").value == 3
+    assert app.selectbox(key="cfg1_eviction").value == "streaming_llm"
+    assert app.selectbox(key="cfg2_quantization").value == "kivi"
+    app.text_area(key="compare_text").set_value("Name three colours of the rainbow, then count to five.").run()
+    app.button[0].click().run()
+    assert not app.exception and not app.error, texts(app.error)
+    table = app.dataframe[0].value
+    assert list(table["method"]) == ["full", "streaming_llm:sinks=2,window=16", "kivi:residual=0"]
+    assert table["agreement"][0] == 1.0 and table["error"].eq("").all()
+    assert table["compression"][2] > 1  # 2-bit keys and values
+    assert any(s.value.startswith("3 configurations") for s in app.success)
+    assert len(app.get("plotly_chart")) >= 3  # memory bars, growth, kept/evicted heatmap
+    assert any("of prompt tokens cached" in c.value for c in app.caption)
+    assert [b.label for b in app.get("download_button")] == ["Results as CSV", "Results as JSON"]
+    assert app.query_params["m"] == specs
+
+    app.text_input(key="cfg1_spec").set_value("snapkv:budget=abc").run()
+    assert any("bad value in 'snapkv:budget=abc'" in e for e in texts(app.error))
+    assert app.button[0].disabled
+    assert app.dataframe, "the previous results stay on the page"
+
+
+def test_needle_page_grid_and_failures():
+    app = page("3_Needle.py", m=["full", "window:window=16"], len="128", depth="0.5", n="4")
+    assert not app.exception
+    app.button[0].click().run()
+    assert not app.exception and not app.error, texts(app.error)
+    assert app.success[0].value.startswith("2 runs")
+    assert len(app.get("plotly_chart")) >= 1
+    assert [b.label for b in app.get("download_button")] == ["Grid as CSV", "Grid as JSON"]
+
+
+def test_memory_planner_numbers():
+    app = page("4_Memory_planner.py", model_config="Llama-3-8B", context="8192", batch="8",
+               gpu="NVIDIA A100 (80 GB)")
+    assert not app.exception
+    metrics = {m.label: m.value for m in app.metric}
+    assert metrics["KV per sequence"] == "1.07 GB" and metrics["Weights"] == "16.1 GB"
+    assert int(metrics["Sequences that fit"]) == 52
+    app.select_slider(key="kvbits").set_value(2).run()
+    app.radio(key="evict").set_value("ratio").run()
+    metrics = {m.label: m.value for m in app.metric}
+    assert int(metrics["Sequences that fit"].replace(",", "")) > 52 * 20
+    app.selectbox(key="model_config").set_value("DeepSeek-V2").run()
+    assert "MLA" in app.subheader[0].value and "exceed" in app.error[0].value
+    assert app.query_params["model_config"] == "DeepSeek-V2"
+    assert len(app.dataframe[0].value) >= 5
+
+
+@pytest.mark.parametrize("step", [4])
+def test_lessons_step_runs_live(step):
+    app = page("5_Lessons.py", step=str(step))
+    assert not app.exception and app.radio(key="step").index == step - 1
+    app.button(key=f"lesson_button_{step}").click().run()
+    assert not app.exception and not app.error
+    assert any(c.value.startswith("Most attended") for c in app.caption)
