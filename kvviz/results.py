@@ -21,8 +21,10 @@ class MethodResult:
     kv_bytes_per_step: list[int] = field(default_factory=list)
     kv_bytes_per_layer: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    agreement_with_full: float | None = None
-    first_divergence: int | None = None
+    agreement_with_full: float | None = None  # teacher-forced top-1 agreement (kvviz.metrics)
+    first_divergence: int | None = None  # first step whose top-1 differs from full's, teacher-forced
+    kl_per_step: list[float] = field(default_factory=list)  # KL(full || method) in nats, teacher-forced
+    mean_kl: float | None = None
     ledger: EvictionLedger | None = None
     error: str | None = None
 
@@ -44,6 +46,8 @@ class MethodResult:
             "seconds": round(self.seconds, 4),
             "agreement_with_full": self.agreement_with_full,
             "first_divergence": self.first_divergence,
+            "kl_per_step": [round(kl, 6) for kl in self.kl_per_step],
+            "mean_kl": None if self.mean_kl is None else round(self.mean_kl, 6),
         }
         if self.error:
             data["error"] = self.error

@@ -16,7 +16,7 @@ from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listenin
 from kvviz.ledger import EvictionLedger
 from kvviz.memory import model_card
 from kvviz.methods import MethodStack, SpecError, parse_spec
-from kvviz.metrics import first_divergence, token_agreement
+from kvviz.metrics import forced_comparison
 from kvviz.models import LoadedModel
 from kvviz.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids, forward_step
 from kvviz.results import Comparison, MethodResult
@@ -115,16 +115,21 @@ class PromptSession:
 
     def run(self, spec: str | MethodStack, max_new_tokens: int, sampling: Sampling | None = None,
             forced_tokens: list[int] | None = None, keep_logprobs: bool = False,
-            progress: Progress | None = None) -> tuple[MethodResult, DecodeTrace]:
-        """Fork a cache for one method and decode; returns the result and the raw trace."""
+            progress: Progress | None = None,
+            suffix_tokens: list[int] | None = None) -> tuple[MethodResult, DecodeTrace]:
+        """Fork a cache for one method and decode; returns the result and the raw trace.
+
+        ``suffix_tokens`` are fed after compression, before generating (see :func:`kvviz.replay.decode`).
+        """
         stack = parse_spec(spec) if isinstance(spec, str) else spec
         started = time.perf_counter()
         cache = self.fork(stack)
         prefill = self.prefill(self._capture)
         trace = decode(self.loaded.model, cache, prefill.last_logits, max_new_tokens, self.loaded.device,
-                       self.eos_ids, sampling, forced_tokens, keep_logprobs, progress)
+                       self.eos_ids, sampling, forced_tokens, keep_logprobs, progress, suffix_tokens)
         seconds = time.perf_counter() - started
-        total_tokens = len(self.prompt_ids) + max(0, len(trace.token_ids) - 1)  # the last token is never fed
+        fed = len(suffix_tokens or []) + max(0, len(trace.token_ids) - 1)  # the last token is never fed
+        total_tokens = len(self.prompt_ids) + fed
         breakdown = cache.nbytes()
         result = MethodResult(
             method=stack.label,
@@ -160,7 +165,10 @@ def compare(
 ) -> Comparison:
     """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
 
-    A method that fails is reported with its error while the others still complete.
+    Each method's text is its own free-running output; its agreement, KL and first divergence are teacher-forced on
+    full's tokens (:mod:`kvviz.metrics`). A method whose free-running tokens equal full's needs no second decode:
+    teacher forcing would feed it exactly the inputs it already saw. A method that fails is reported with its error
+    while the others still complete.
     """
     stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
     if not any(s.label == "full" for s in stacks):
@@ -171,22 +179,32 @@ def compare(
         needed, windows = stats_needed(stacks)
         prefill = session.prefill(CaptureConfig(windows=windows) if needed else None)
         results: list[MethodResult] = []
-        reference: list[int] | None = None
+        reference: MethodResult | None = None
+        reference_logprobs: list[torch.Tensor] = []
         for index, stack in enumerate(stacks):
             def report(fraction: float, message: str, index: int = index, label: str = stack.label) -> None:
                 if progress is not None:
                     progress((index + fraction) / len(stacks), f"{label}: {message}")
 
             try:
-                result, _ = session.run(stack, max_new_tokens, sampling, progress=report)
+                share = 1.0 if reference is None else 0.5  # the second half for a teacher-forced decode
+                result, trace = session.run(stack, max_new_tokens, sampling, keep_logprobs=True,
+                                            progress=lambda f, m, s=share, r=report: r(f * s, m))
+                if reference is None and stack.label == "full":
+                    reference, reference_logprobs = result, trace.step_logprobs
+                logprobs = trace.step_logprobs
+                if reference is not None and result.token_ids != reference.token_ids:
+                    _, forced = session.run(stack, max_new_tokens, sampling, forced_tokens=reference.token_ids,
+                                            keep_logprobs=True,
+                                            progress=lambda f, m, r=report: r(0.5 + f / 2, f"teacher-forced {m}"))
+                    logprobs = forced.step_logprobs
+                if reference is not None:
+                    scores = forced_comparison(reference_logprobs, logprobs)
+                    result.agreement_with_full, result.first_divergence = scores.agreement, scores.first_divergence
+                    result.kl_per_step, result.mean_kl = scores.kl_per_step, scores.mean_kl
             except (SpecError, PromptError) as error:
                 result = MethodResult(method=stack.label, error=str(error))
             except (RuntimeError, ValueError, IndexError) as error:  # one method's crash must not sink the others
                 result = MethodResult(method=stack.label, error=f"{type(error).__name__}: {error}")
-            if stack.label == "full" and result.error is None:
-                reference = result.token_ids
-            if reference is not None and result.error is None:
-                result.agreement_with_full = token_agreement(reference, result.token_ids)
-                result.first_divergence = first_divergence(reference, result.token_ids)
             results.append(result)
     return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results)
