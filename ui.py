@@ -14,6 +14,7 @@ import streamlit as st
 
 from kvviz.capture import AttentionStats, CaptureConfig, listening
 from kvviz.config import Settings
+from kvviz.diagnostics import prefill_kv, reconstruction_error
 from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
 from kvviz.models import DEFAULT_MODEL, LoadedModel, ModelError, load_model
@@ -344,3 +345,13 @@ def run_needle(loaded: LoadedModel, specs: list[str], lengths: list[int], depths
                            max_new_tokens, loaded, unrecorded(lambda f, m: bar.progress(min(1.0, f), text=m)))
     bar.empty()
     return report
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def cached_reconstruction(model_name: str, prompt_ids: tuple[int, ...], specs: tuple[str, ...],
+                          _loaded: LoadedModel) -> dict[str, tuple[list[float], list[float]]]:
+    """Per quantization SPEC: relative key and value reconstruction error per layer on this prompt's prefill."""
+    with _loaded.lock:
+        kv = prefill_kv(PromptSession(_loaded, list(prompt_ids)))
+        errors = [reconstruction_error(kv, spec) for spec in specs]
+    return {spec: (e.key, e.value) for spec, e in zip(specs, errors, strict=True)}

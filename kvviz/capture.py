@@ -84,8 +84,11 @@ def _explicit_attention(
     return output.transpose(1, 2).contiguous()
 
 
-def kvviz_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """The registered attention function: SDPA when nobody listens, explicit blocks otherwise."""
+def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The registered attention function: SDPA when nobody listens, explicit blocks otherwise.
+
+    ``dropout`` comes sixth: importing kvpress wraps every registered attention function and passes it positionally.
+    """
     layer_idx = getattr(module, "layer_idx", 0)
     listeners = [listener for listener in _listeners.get() if listener.wants(layer_idx)]
     if not listeners:
@@ -123,6 +126,37 @@ class CaptureConfig:
     matrix_size: int = 256
     windows: tuple[int, ...] = ()
     layers: tuple[int, ...] | None = None  # None: every layer
+    layer_inputs: bool = False  # keep each attention module's input (kvpress scorers recompute queries from it)
+
+
+@dataclass
+class LayerInputs:
+    """What one attention module received at prefill: what kvpress's ``score(module, hidden_states, ...)`` reads."""
+
+    module: torch.nn.Module
+    hidden_states: torch.Tensor  # [B, N, hidden]
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None  # RoPE (cos, sin), each [B, N, D]
+    rotary_emb: torch.nn.Module | None = None  # the model's rotary embedding (scorers that extrapolate positions)
+
+
+@contextlib.contextmanager
+def recording_layer_inputs(model: torch.nn.Module, into: dict[int, LayerInputs]):
+    """Keep every attention module's input during the forwards inside this block (pre-hooks, removed after)."""
+    hooks = []
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+
+    def keep(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        into[module.layer_idx] = LayerInputs(module, hidden.detach(), kwargs.get("position_embeddings"), rotary)
+
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "q_proj"):
+            hooks.append(module.register_forward_pre_hook(keep, with_kwargs=True))
+    try:
+        yield into
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @dataclass
@@ -133,6 +167,7 @@ class AttentionStats:
     sink_mass[l]: [q_heads, N] share of each query's attention on the first ``sink_tokens`` keys.
     window_attention[w][l]: [q_heads, N] attention from the last ``w`` queries, summed, per key.
     matrices[(l, h)]: [rows, cols] block-averaged attention matrix.
+    layer_inputs[l]: the attention module, its input hidden states and rotary embeddings (when asked for).
     """
 
     num_tokens: int
@@ -141,6 +176,7 @@ class AttentionStats:
     sink_mass: dict[int, torch.Tensor] = field(default_factory=dict)
     window_attention: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     matrices: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    layer_inputs: dict[int, LayerInputs] = field(default_factory=dict)
 
     def sink_mass_per_layer(self) -> list[float]:
         """Mean share of attention that goes to the sink tokens, per layer (queries past the sinks only)."""
@@ -149,6 +185,7 @@ class AttentionStats:
     def nbytes(self) -> int:
         tensors = [*self.key_attention.values(), *self.sink_mass.values(), *self.matrices.values()]
         tensors += [t for per_window in self.window_attention.values() for t in per_window.values()]
+        tensors += [inputs.hidden_states for inputs in self.layer_inputs.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -216,6 +216,32 @@ def kv_growth_figure(per_step: dict[str, Sequence[int]]) -> go.Figure:
     return figure
 
 
+def kl_figure(per_step: dict[str, Sequence[float]]) -> go.Figure:
+    """Teacher-forced KL(full || method) at each generated step, one line per method."""
+    figure = go.Figure()
+    for method, values in per_step.items():
+        figure.add_trace(go.Scatter(y=list(values), mode="lines+markers", name=method))
+    figure.update_layout(title="How far each method's next-token distribution is from full's (teacher-forced)",
+                         xaxis_title="generated token", yaxis_title="KL (nats)", height=340,
+                         margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def reconstruction_figure(errors: dict[str, tuple[Sequence[float], Sequence[float]]]) -> go.Figure:
+    """Relative reconstruction error of keys (solid) and values (dotted) per layer, one colour per method."""
+    figure = go.Figure()
+    colours = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b")
+    for index, (method, (keys, values)) in enumerate(errors.items()):
+        colour = colours[index % len(colours)]
+        figure.add_trace(go.Scatter(y=list(keys), mode="lines", name=f"{method} keys", line=dict(color=colour)))
+        figure.add_trace(go.Scatter(y=list(values), mode="lines", name=f"{method} values",
+                                    line=dict(color=colour, dash="dot")))
+    figure.update_layout(title="Quantization error on this prompt: ‖stored − original‖ / ‖original‖ per layer",
+                         xaxis_title="layer", yaxis_title="relative error", yaxis_tickformat=".0%", height=360,
+                         margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
 def needle_heatmaps(frame: pd.DataFrame) -> go.Figure:
     """One heatmap per method: share of trials that found the needle, depth (x) by prompt length (y)."""
     methods = list(dict.fromkeys(frame["method"]))

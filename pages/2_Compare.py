@@ -7,8 +7,9 @@ import streamlit as st
 
 from kvviz import plots
 from kvviz.memory import model_card
-from kvviz.methods import REGISTRY
+from kvviz.methods import REGISTRY, parse_spec
 from ui import (
+    cached_reconstruction,
     encode,
     method_configurator,
     methods_of,
@@ -109,16 +110,10 @@ for index, result in enumerate(results):
                        f"first divergence {'none' if result.first_divergence is None else result.first_divergence}")
 
 
-def mean_kl(result) -> float | None:
-    """The quality metric's mean KL from full, when the metrics module provides it."""
-    value = getattr(result, "mean_kl", None)
-    return value() if callable(value) else value
-
-
 table = pd.DataFrame([{
     "method": r.method,
     "agreement": r.agreement_with_full,
-    "mean KL": mean_kl(r),
+    "mean KL": r.mean_kl,
     "first divergence": r.first_divergence,
     "KV bytes": r.kv_bytes,
     "full KV bytes": r.kv_bytes_full,
@@ -141,6 +136,17 @@ if not memory.empty:
     st.plotly_chart(plots.memory_figure(memory, model_card(loaded).weight_bytes), width="stretch")
     st.plotly_chart(plots.kv_growth_figure({r.method: r.kv_bytes_per_step for r in measured}),
                     width="stretch")
+    kl = {r.method: r.kl_per_step for r in measured if r.kl_per_step and r.method != "full"}
+    if kl:
+        st.plotly_chart(plots.kl_figure(kl), width="stretch")
+
+quantized = [r.method for r in measured if parse_spec(r.method).quantization is not None]
+if quantized:
+    st.subheader("Quantization error")
+    errors = cached_reconstruction(loaded.name, tuple(comparison.prompt_ids), tuple(quantized), loaded)
+    st.plotly_chart(plots.reconstruction_figure(errors), width="stretch")
+    st.caption("Each method stores the prompt's keys and values; the lines show how far what attention reads is "
+               "from the original, per layer. Tokens still in a full-precision residual count as exact.")
 
 st.subheader("Kept and evicted tokens")
 with_ledger = [r for r in measured if r.ledger is not None and bool((r.ledger.evicted_at >= 0).any())]

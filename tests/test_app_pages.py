@@ -58,7 +58,8 @@ def test_compare_page_runs_methods_and_reports(monkeypatch):
     assert table["agreement"][0] == 1.0 and table["error"].eq("").all()
     assert table["compression"][2] > 1  # 2-bit keys and values
     assert any(s.value.startswith("3 configurations") for s in app.success)
-    assert len(app.get("plotly_chart")) >= 3  # memory bars, growth, kept/evicted heatmap
+    assert len(app.get("plotly_chart")) >= 4  # memory bars, growth, quantization error, kept/evicted heatmap
+    assert "Quantization error" in texts(app.subheader)
     assert any("of prompt tokens cached" in c.value for c in app.caption)
     assert [b.label for b in app.get("download_button")] == ["Results as CSV", "Results as JSON"]
     assert app.query_params["m"] == specs

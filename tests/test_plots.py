@@ -74,3 +74,14 @@ def test_planner_figures():
     figure = plots.planner_context_figure({"MHA": 1000.0, "GQA": 250.0}, [1024, 2048], batch=2, gpu_gb=80)
     assert len(figure.data) == 2 and figure.data[0].y[0] == 1000 * 1024 * 2 / 1e9
     assert len(plots.gpu_budget_figure(16, 8, 72, 80).data) == 2
+
+
+def test_kv_growth_and_kl_lines():
+    assert list(plots.kv_growth_figure({"full": [plots.MiB, 2 * plots.MiB]}).data[0].y) == [1, 2]
+    figure = plots.kl_figure({"window": [0.0, 0.5], "kivi": [0.1, 0.1]})
+    assert [t.name for t in figure.data] == ["window", "kivi"]
+
+
+def test_reconstruction_figure_pairs_keys_and_values():
+    figure = plots.reconstruction_figure({"kivi": ([0.1, 0.2], [0.05, 0.06])})
+    assert [t.name for t in figure.data] == ["kivi keys", "kivi values"]

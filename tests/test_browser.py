@@ -1,0 +1,160 @@
+"""End to end in a real browser: serve the app, visit every page in headless chromium, run a comparison.
+
+Screenshots of each page land in docs/screenshots/ (the README shows them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHOTS = ROOT / "docs" / "screenshots"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SPECS = ["full", "streaming_llm:sinks=2,window=16", "kivi:residual=0"]
+
+pytestmark = pytest.mark.browser
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    """``streamlit run app.py`` on a free loopback port, until the module's tests finish."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
+    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    port = free_port()
+    log = open(ROOT / ".pytest_cache" / "streamlit-browser.log", "w")  # noqa: SIM115 - closed below
+    process = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
+         "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false",
+         "--server.fileWatcherType", "none"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                    break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"streamlit did not start; see {log.name}")
+                time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+def settle(page, timeout: float = 240) -> None:
+    """Wait until the script run finished (Streamlit's running indicator is gone)."""
+    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
+    deadline = time.monotonic() + timeout
+    page.wait_for_timeout(800)
+    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
+        page.wait_for_timeout(300)
+    page.wait_for_timeout(500)
+
+
+def no_exception(page) -> None:
+    assert page.locator('[data-testid="stException"]').count() == 0, page.inner_text("body")[:2000]
+
+
+def shoot(page, name: str, anchor: str | None = None) -> None:
+    """Screenshot the page, scrolled so that the heading ``anchor`` is at the top when given."""
+    if anchor is not None:
+        page.get_by_role("heading", name=anchor).first.evaluate("element => element.scrollIntoView()")
+        page.wait_for_timeout(500)
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    path = SHOTS / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    if path.stat().st_size > 300_000:  # keep the repository light: fall back to the first screen
+        page.screenshot(path=str(path))
+
+
+def test_every_page_in_chromium(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(server, timeout=120_000)
+            page.get_by_text("Model card").wait_for(timeout=180_000)
+            settle(page)
+            page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
+            no_exception(page)
+            assert "2 * 30 layers * 3 kv_heads * 64 head_dim" in page.inner_text("body")
+            shoot(page, "home")
+
+            page.goto(f"{server}/Attention?layer=14&head=3", timeout=60_000)
+            page.get_by_text("Heavy hitters").wait_for(timeout=180_000)
+            settle(page)
+            assert page.locator(".js-plotly-plot").count() == 3
+            no_exception(page)
+            shoot(page, "attention")
+            shoot(page, "attention-heatmap", anchor="Layer 14, head 3")
+
+            query = "&".join(f"m={spec}" for spec in SPECS)
+            page.goto(f"{server}/Compare?{query}&n=4", timeout=60_000)
+            page.get_by_role("button", name="Run comparison").wait_for(timeout=120_000)
+            settle(page)
+            page.get_by_role("button", name="Run comparison").click()
+            page.get_by_text("configurations on").wait_for(timeout=240_000)
+            settle(page)
+            body = page.inner_text("body")
+            for spec in SPECS:
+                assert spec in body
+            assert page.locator(".js-plotly-plot").count() >= 3
+            assert "Results as CSV" in body and "of prompt tokens cached" in body
+            no_exception(page)
+            # a rerun replays the cached comparison (no model work) and must render the same way
+            page.get_by_role("slider").first.focus()
+            page.keyboard.press("ArrowRight")
+            page.get_by_text("layer 1, after step").wait_for(timeout=60_000)
+            settle(page)
+            no_exception(page)
+            shoot(page, "compare-kept", anchor="Kept and evicted tokens")
+            shoot(page, "compare", anchor="Outputs")
+
+            page.goto(f"{server}/Needle", timeout=60_000)
+            page.get_by_role("button", name="Run the grid").wait_for(timeout=120_000)
+            settle(page)
+            no_exception(page)
+            shoot(page, "needle")
+
+            page.goto(f"{server}/Memory_planner?model_config=Qwen2.5-7B&kvbits=4&evict=ratio", timeout=60_000)
+            page.get_by_text("Sequences that fit").first.wait_for(timeout=60_000)
+            settle(page)
+            assert page.locator(".js-plotly-plot").count() == 2
+            no_exception(page)
+            shoot(page, "planner")
+
+            page.goto(f"{server}/Lessons?step=3", timeout=60_000)
+            page.get_by_role("button", name="Measure the sinks").wait_for(timeout=120_000)
+            settle(page)
+            no_exception(page)
+            shoot(page, "lessons")
+        finally:
+            browser.close()
