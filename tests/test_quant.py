@@ -1,0 +1,58 @@
+"""Bit packing and group-wise asymmetric quantization primitives."""
+
+import pytest
+import torch
+
+from kvviz.quant import (
+    dequantize_per_channel,
+    dequantize_per_token,
+    error_bound,
+    pack,
+    packed_width,
+    quantize_per_channel,
+    quantize_per_token,
+    unpack,
+)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_round_trips_and_uses_the_packed_width(bits):
+    codes = torch.randint(0, 2**bits, (2, 3, 5, 20), dtype=torch.uint8)
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == packed_width(20, bits)
+    assert torch.equal(unpack(packed, bits, 20), codes)
+
+
+def test_pack_refuses_widths_that_do_not_divide_a_byte():
+    with pytest.raises(ValueError, match="cannot pack 3-bit"):
+        pack(torch.zeros(4, dtype=torch.uint8), 3)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_per_channel_error_stays_within_half_a_step(bits):
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 32, 20) * torch.linspace(0.1, 8, 20)  # channels of very different ranges
+    q = quantize_per_channel(x, bits, group=8)
+    assert q.scale.shape == (1, 2, 4, 20) and q.scale.dtype == torch.float16
+    groups = (torch.arange(32) // 8).expand(1, 2, 32)
+    restored = dequantize_per_channel(q, bits, 20, groups, x.dtype)
+    bound = error_bound(q.scale, q.zero, bits).repeat_interleave(8, dim=2)
+    assert bool(((restored - x).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_per_token_error_stays_within_half_a_step_with_a_short_last_group(bits):
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 7, 20)
+    q = quantize_per_token(x, bits, group=8)
+    assert q.scale.shape == (1, 2, 7, 3)  # channel groups 8 + 8 + 4
+    restored = dequantize_per_token(q, bits, 20, 8, x.dtype)
+    bound = error_bound(q.scale, q.zero, bits)[..., torch.arange(20) // 8]
+    assert bool(((restored - x).abs() <= bound).all())
+
+
+def test_constant_groups_decode_exactly():
+    x = torch.full((1, 1, 8, 4), 0.5)
+    q = quantize_per_channel(x, 2, group=8)
+    restored = dequantize_per_channel(q, 2, 4, torch.zeros(1, 1, 8, dtype=torch.long), x.dtype)
+    assert torch.equal(restored, x)
