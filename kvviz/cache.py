@@ -51,7 +51,8 @@ class KVLayer(CacheLayerMixin):
         self.positions = absolute.clone() if self.positions is None else torch.cat([self.positions, absolute], -1)
         self.rotary = rotary.clone() if self.rotary is None else torch.cat([self.rotary, rotary], -1)
         if self.owner.decoding and self.eviction is not None and not self.eviction.scores_attention:
-            self.apply_keep(self.eviction.select(self.view()))
+            # the new tokens' queries already carry rotary positions; re-rotated keys must end where they stand
+            self.apply_keep(self.eviction.select(self.view()), rotary_end=int(self.owner.step_rotary.max()) + 1)
         return self.storage.materialize()
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
@@ -65,7 +66,7 @@ class KVLayer(CacheLayerMixin):
 
     # -- kvviz ------------------------------------------------------------------------------------------------
     def view(self, attention: torch.Tensor | None = None) -> LayerView:
-        keys, _ = self.storage.materialize()
+        keys, values = self.storage.materialize()
         return LayerView(
             layer_idx=self.layer_idx,
             positions=self.positions,
@@ -74,10 +75,15 @@ class KVLayer(CacheLayerMixin):
             step=self.owner.step,
             attention=attention,
             state=self.state,
+            values=values,
         )
 
-    def apply_keep(self, index: torch.Tensor | None) -> None:
-        """Keep entries ``index`` [B, H, n]; record the rest in the ledger; re-rotate keys if the method asks."""
+    def apply_keep(self, index: torch.Tensor | None, rotary_end: int | None = None) -> None:
+        """Keep entries ``index`` [B, H, n]; record the rest in the ledger; re-rotate keys if the method asks.
+
+        ``rotary_end``: one past the rotary position re-rotated keys must end at (the in-flight queries' position);
+        by default the cache length, so the next token (given rotary position ``len(cache)``) follows on.
+        """
         if index is None:
             return
         keep_mask = torch.zeros_like(self.positions, dtype=torch.bool).scatter_(-1, index, True)
@@ -88,11 +94,16 @@ class KVLayer(CacheLayerMixin):
         self.positions = self.positions.gather(-1, index)
         self.rotary = self.rotary.gather(-1, index)
         if self.eviction is not None and self.eviction.rerotate:
-            self._rerotate()
+            self._rerotate(self.rotary.shape[-1] if rotary_end is None else rotary_end)
 
-    def _rerotate(self) -> None:
-        """Give every cached key the rotary position of its index in the cache (StreamingLLM's position shift)."""
-        target = torch.arange(self.rotary.shape[-1], device=self.rotary.device).expand_as(self.rotary)
+    def _rerotate(self, end: int) -> None:
+        """Give cached keys consecutive rotary positions ending at ``end - 1`` (StreamingLLM's position shift).
+
+        Only distances matter to RoPE: a query at position p then sees the key i entries back at distance i, as if
+        the evicted tokens had never existed.
+        """
+        length = self.rotary.shape[-1]
+        target = torch.arange(end - length, end, device=self.rotary.device).expand_as(self.rotary)
         delta = target - self.rotary
         if bool((delta != 0).any()):
             keys, _ = self.storage.materialize()
@@ -133,9 +144,13 @@ class KVCache(Cache):
         return self.stack.eviction is not None and self.stack.eviction.rerotate
 
     def next_rotary_positions(self, absolute: torch.Tensor) -> torch.Tensor:
-        """Rotary positions for new tokens: absolute, or appended after the cache when keys are re-rotated."""
-        if self.rerotates:
-            return torch.arange(absolute.numel()) + self.get_seq_length()
+        """Rotary positions for new tokens: absolute, or right after the cache's last key when keys are re-rotated.
+
+        Re-rotated positions stay consecutive (see :meth:`KVLayer._rerotate`) but are not reset to zero each step:
+        RoPE only sees distances, so sliding them forward costs nothing and keeps in-flight queries valid.
+        """
+        if self.rerotates and self.layers[0].rotary is not None:
+            return torch.arange(absolute.numel()) + int(self.layers[0].rotary.max()) + 1
         return absolute
 
     def begin_forward(self, absolute: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -52,7 +52,7 @@ class MethodResult:
         if self.error:
             data["error"] = self.error
         if with_ledger and self.ledger is not None:
-            data["ledger"] = self.ledger.to_json(self.ledger.prompt_length + len(self.token_ids))
+            data["ledger"] = self.ledger.to_json(self.ledger.length)  # tokens fed: the last generated one never is
         return data
 
 

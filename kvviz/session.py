@@ -6,13 +6,14 @@ reads the shared statistics, so forking is exactly what an independent run of th
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kvviz.cache import KVCache, rope_rotator
-from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listening
+from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
 from kvviz.ledger import EvictionLedger
 from kvviz.memory import model_card
 from kvviz.methods import MethodStack, SpecError, parse_spec
@@ -46,7 +47,8 @@ def stats_needed(stacks: list[MethodStack]) -> tuple[bool, tuple[int, ...]]:
     """Whether any method reads prefill attention, and which observation windows it needs."""
     evictions = [s.eviction for s in stacks if s.eviction is not None]
     windows = tuple(sorted({w for e in evictions for w in e.prefill_windows}))
-    return any(e.uses_prefill_attention for e in evictions) or bool(windows), windows
+    reads = any(e.uses_prefill_attention or e.prefill_layer_inputs for e in evictions)
+    return reads or bool(windows), windows
 
 
 @dataclass
@@ -88,7 +90,9 @@ class PromptSession:
         cache.prompt_length = len(self.prompt_ids)
         recorder = StatsRecorder(capture, len(self.prompt_ids)) if capture is not None else None
         started = time.perf_counter()
-        with torch.inference_mode(), listening(*([recorder] if recorder else [])):
+        inputs = (recording_layer_inputs(self.loaded.model, recorder.stats.layer_inputs)
+                  if capture is not None and capture.layer_inputs else contextlib.nullcontext())
+        with torch.inference_mode(), listening(*([recorder] if recorder else [])), inputs:
             logits = forward_step(self.loaded.model, cache, self.prompt_ids, 0, 0, self.loaded.device)
         self._prefill = Prefill(cache, logits, recorder.finish() if recorder else None, time.perf_counter() - started)
         self._capture = capture
@@ -99,19 +103,21 @@ class PromptSession:
         if stack.eviction is not None:
             stack.eviction.check_context(len(self.prompt_ids))
         needed, windows = stats_needed([stack])
-        prefill = self.prefill(self._capture_for(needed, windows))
+        layer_inputs = stack.eviction is not None and stack.eviction.prefill_layer_inputs
+        prefill = self.prefill(self._capture_for(needed, windows, layer_inputs))
         book = None
         if ledger and stack.eviction is not None:
             book = EvictionLedger.empty(self.num_layers, self.card.kv_heads, len(self.prompt_ids),
                                         len(self.prompt_ids) + 64)
         return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys)
 
-    def _capture_for(self, needed: bool, windows: tuple[int, ...]) -> CaptureConfig | None:
+    def _capture_for(self, needed: bool, windows: tuple[int, ...], layer_inputs: bool = False) -> CaptureConfig | None:
         if not needed:
             return self._capture
         current = self._capture or CaptureConfig()
         merged = tuple(sorted(set(current.windows) | set(windows)))
-        return CaptureConfig(current.sink_tokens, current.matrices, current.matrix_size, merged, None)
+        return CaptureConfig(current.sink_tokens, current.matrices, current.matrix_size, merged, None,
+                             current.layer_inputs or layer_inputs)
 
     def run(self, spec: str | MethodStack, max_new_tokens: int, sampling: Sampling | None = None,
             forced_tokens: list[int] | None = None, keep_logprobs: bool = False,
@@ -152,7 +158,8 @@ def _covers(have: CaptureConfig | None, want: CaptureConfig | None) -> bool:
     if have is None:
         return False
     return (set(want.windows) <= set(have.windows) and set(want.matrices) <= set(have.matrices)
-            and want.sink_tokens == have.sink_tokens and want.matrix_size == have.matrix_size)
+            and want.sink_tokens == have.sink_tokens and want.matrix_size == have.matrix_size
+            and have.layer_inputs >= want.layer_inputs)
 
 
 def compare(
@@ -177,7 +184,9 @@ def compare(
     with loaded.lock:
         session = PromptSession(loaded, prompt_ids)
         needed, windows = stats_needed(stacks)
-        prefill = session.prefill(CaptureConfig(windows=windows) if needed else None)
+        # one capture serves every method, so forking never needs a second prefill
+        inputs = any(s.eviction is not None and s.eviction.prefill_layer_inputs for s in stacks)
+        prefill = session.prefill(CaptureConfig(windows=windows, layer_inputs=inputs) if needed else None)
         results: list[MethodResult] = []
         reference: MethodResult | None = None
         reference_logprobs: list[torch.Tensor] = []

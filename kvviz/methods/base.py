@@ -53,6 +53,8 @@ class Param:
     def describe_range(self) -> str:
         if self.choices is not None:
             return "|".join(str(c) for c in self.choices)
+        if self.type is bool:
+            return "0|1"
         if self.type is Budget:
             return "token count >= 1 or ratio in (0, 1)"
         low = "-inf" if self.min is None else f"{self.min:g}"
@@ -225,6 +227,7 @@ class LayerView:
     step: int
     attention: torch.Tensor | None = None
     state: Any = None
+    values: torch.Tensor | None = None  # [B, H_kv, T, D] stored values (scorers that weigh value norms)
 
 
 class EvictionMethod(Method):
@@ -236,12 +239,15 @@ class EvictionMethod(Method):
     ``rerotate``: cached keys take their positions inside the cache (StreamingLLM's position shift).
     ``uses_prefill_attention``: the method reads the prefill's accumulated attention per key (H2O's initial scores).
     ``prefill_windows``: observation windows whose attention sums the method reads at prefill (SnapKV).
+    ``prefill_layer_inputs``: the method reads each attention module's prefill input (hidden states and rotary
+    embeddings, in ``AttentionStats.layer_inputs``), as kvpress scorers do.
     """
 
     kind = "eviction"
     scores_attention: ClassVar[bool] = False
     uses_prefill_attention: ClassVar[bool] = False
     prefill_windows: ClassVar[tuple[int, ...]] = ()
+    prefill_layer_inputs: ClassVar[bool] = False  # the method reads each attention layer's prefill input (kvpress)
 
     @property
     def rerotate(self) -> bool:

@@ -1,0 +1,70 @@
+"""H2O (Zhang et al. 2023): heavy hitters by attention accumulated per head at every step, plus recent tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register, topk_keep
+
+
+@dataclass
+class H2OState:
+    """Accumulated attention per cached entry of one layer, [B, H_kv, T], aligned with the cache's entries."""
+
+    scores: torch.Tensor | None = None
+
+
+def group_sum(per_query_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Sum [B, H_q, T] over the query heads that share each KV head: [B, H_kv, T]."""
+    batch, q_heads, length = per_query_head.shape
+    return per_query_head.reshape(batch, kv_heads, q_heads // kv_heads, length).sum(2)
+
+
+@register
+class H2O(EvictionMethod):
+    name = "h2o"
+    summary = ("Heavy hitters: keep the tokens with the most attention accumulated per KV head over all queries so "
+               "far, plus the most recent ones (0.1 + 0.1 is the paper's 20% setting).")
+    params = (
+        Param("heavy", Budget, 0.1, "heavy-hitter tokens: a count, or a ratio of the current length"),
+        Param("recent", Budget, 0.1, "recent tokens always kept: a count, or a ratio of the current length"),
+    )
+    scores_attention = True
+    uses_prefill_attention = True
+
+    def new_state(self, layer_idx: int) -> H2OState:
+        return H2OState()
+
+    def prefill_select(self, view: LayerView, stats) -> torch.Tensor | None:
+        batch, kv_heads, length = view.positions.shape
+        received = None if stats is None else stats.key_attention.get(view.layer_idx)
+        if received is None:
+            scores = torch.zeros(batch, kv_heads, length)
+        else:
+            scores = group_sum(received[:, :length].unsqueeze(0), kv_heads).expand(batch, -1, -1)
+        return self._evict(view, scores.to(view.positions.device))
+
+    def select(self, view: LayerView) -> torch.Tensor | None:
+        batch, kv_heads, length = view.positions.shape
+        received = group_sum(view.attention.float().sum(2), kv_heads)
+        previous = view.state.scores
+        if previous is None:
+            previous = torch.zeros(batch, kv_heads, 0, device=received.device)
+        scores = torch.nn.functional.pad(previous, (0, length - previous.shape[-1])) + received
+        return self._evict(view, scores)
+
+    def _evict(self, view: LayerView, scores: torch.Tensor) -> torch.Tensor | None:
+        """Keep the recent window and the top heavy hitters outside it; carry the kept entries' scores forward."""
+        length = scores.shape[-1]
+        seen = int(view.positions.max()) + 1
+        recent = min(length, self.recent.tokens(seen))
+        forced = torch.zeros(length, dtype=torch.bool, device=scores.device)
+        forced[length - recent:] = True
+        keep = topk_keep(scores, recent + self.heavy.tokens(seen), forced)
+        view.state.scores = scores if keep is None else scores.gather(-1, keep)
+        return keep
+
+    def budget_for(self, prompt_length: int) -> int:
+        return self.heavy.tokens(prompt_length) + self.recent.tokens(prompt_length)

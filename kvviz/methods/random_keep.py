@@ -1,0 +1,32 @@
+"""A control: keep a random subset of tokens per head (seeded, so runs repeat)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register, topk_keep
+
+
+@register
+class RandomKeep(EvictionMethod):
+    name = "random"
+    summary = "Control: keep a random subset per KV head within the budget; the newest token always stays."
+    params = (
+        Param("budget", Budget, 512, "tokens kept per head: a count, or a ratio of the prompt"),
+        Param("seed", int, 0, "random seed (each layer draws its own stream)", min=0, max=2**31 - 1),
+    )
+
+    def new_state(self, layer_idx: int) -> torch.Generator:
+        return torch.Generator().manual_seed(self.seed * 100_003 + layer_idx)
+
+    def select(self, view: LayerView) -> torch.Tensor | None:
+        length = view.positions.shape[-1]
+        budget = self.budget.tokens(view.prompt_length)
+        if budget >= length:
+            return None
+        scores = torch.rand(view.positions.shape, generator=view.state)
+        newest = torch.arange(length) == length - 1
+        return topk_keep(scores, budget, newest if view.step > 0 else None).to(view.positions.device)
+
+    def budget_for(self, prompt_length: int) -> int:
+        return self.budget.tokens(prompt_length)

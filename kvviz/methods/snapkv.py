@@ -1,0 +1,74 @@
+"""SnapKV (Li et al. 2024): one prefill-time selection per KV head from the attention of the prompt's last queries."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, SpecError, register, topk_keep
+
+
+def pooled_window_scores(window_sum: torch.Tensor, window: int, kernel: int, pool: str, kv_heads: int) -> torch.Tensor:
+    """SnapKV's vote: [H_q, N] attention summed over the last ``window`` queries -> [1, H_kv, N - window] scores.
+
+    Mean over the window's queries, pooled along the sequence (neighbours of a hit survive with it), then averaged
+    over the query heads of each GQA group so every KV head keeps one set.
+    """
+    prefix = window_sum[:, : window_sum.shape[-1] - window].float().unsqueeze(0) / window  # [1, H_q, N - w]
+    if pool == "max":
+        pooled = F.max_pool1d(prefix, kernel_size=kernel, stride=1, padding=kernel // 2)
+    else:
+        pooled = F.avg_pool1d(prefix, kernel_size=kernel, stride=1, padding=kernel // 2)
+    heads, length = pooled.shape[1], pooled.shape[2]
+    return pooled.reshape(1, kv_heads, heads // kv_heads, length).mean(2)
+
+
+@register
+class SnapKV(EvictionMethod):
+    name = "snapkv"
+    summary = ("Compress the prompt once: each KV head keeps the tokens the last `window` prompt queries attend to "
+               "(pooled along the sequence, GQA groups averaged); the window itself is always kept.")
+    params = (
+        Param("budget", Budget, 1024, "tokens kept per head including the window: a count, or a ratio of the prompt"),
+        Param("window", int, 32, "observation window: last prompt queries that vote (paper 32; kvpress 64)",
+              min=1, max=8192),
+        Param("kernel", int, 7, "pooling kernel along the sequence, odd (paper 7; kvpress 5)", min=1, max=255),
+        Param("pool", str, "max", "pooling of the votes (paper max; kvpress avg)", choices=("max", "avg")),
+    )
+
+    @property
+    def prefill_windows(self) -> tuple[int, ...]:
+        return (self.window,)
+
+    def validate(self) -> None:
+        if self.kernel % 2 == 0:
+            raise SpecError(f"bad value in 'snapkv:kernel={self.kernel}': the pooling kernel must be odd")
+        if not self.budget.is_ratio and self.budget.value <= self.window:
+            raise SpecError(f"snapkv budget {self.budget} must exceed the observation window {self.window} "
+                            "(the window is always kept)")
+
+    def check_context(self, prompt_length: int) -> None:
+        budget = self.budget.tokens(prompt_length)
+        if budget >= prompt_length:
+            return  # nothing to evict
+        if self.window >= prompt_length:
+            raise SpecError(f"snapkv window {self.window} is not shorter than the prompt ({prompt_length} tokens)")
+        if budget <= self.window:
+            raise SpecError(f"snapkv budget {self.budget} is {budget} tokens on this prompt, not more than the "
+                            f"observation window {self.window}")
+
+    def prefill_select(self, view: LayerView, stats) -> torch.Tensor | None:
+        batch, kv_heads, length = view.positions.shape
+        budget = self.budget.tokens(view.prompt_length)
+        if budget >= length:
+            return None
+        window_sum = stats.window_attention[self.window][view.layer_idx]
+        scores = pooled_window_scores(window_sum, self.window, self.kernel, self.pool, kv_heads)
+        scores = F.pad(scores, (0, self.window), value=float("inf")).expand(batch, -1, -1)
+        return topk_keep(scores.to(view.positions.device), budget)
+
+    def select(self, view: LayerView) -> None:
+        return None  # decode-time tokens are all kept, as in the reference
+
+    def budget_for(self, prompt_length: int) -> int:
+        return min(prompt_length, self.budget.tokens(prompt_length))

@@ -1,0 +1,34 @@
+"""Recent tokens only: the failure StreamingLLM explains (dropping the first tokens removes the attention sinks)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register
+
+
+def sinks_and_recent(view: LayerView, sinks: int, recent: int) -> torch.Tensor | None:
+    """Cache indices [B, H_kv, n] of the first ``sinks`` and the last ``recent`` entries, or None to keep all.
+
+    Entries sit in cache order (ascending position) and positional policies never evict a sink, so cache index i <
+    sinks is token i.
+    """
+    batch, heads, length = view.positions.shape
+    if sinks + recent >= length:
+        return None
+    device = view.positions.device
+    index = torch.cat([torch.arange(sinks, device=device), torch.arange(length - recent, length, device=device)])
+    return index.expand(batch, heads, index.numel())
+
+
+@register
+class Window(EvictionMethod):
+    name = "window"
+    summary = "Keep only the most recent tokens (no sinks): the failure case StreamingLLM explains."
+    params = (Param("window", Budget, 512, "recent tokens kept: a count, or a ratio of the prompt"),)
+
+    def select(self, view: LayerView) -> torch.Tensor | None:
+        return sinks_and_recent(view, 0, self.window.tokens(view.prompt_length))
+
+    def budget_for(self, prompt_length: int) -> int:
+        return self.window.tokens(prompt_length)
