@@ -154,9 +154,10 @@ def test_real_model_agreement_and_key_error(real_model, story_ids):
             errors = reconstruction_error(kv, spec).key
             key_error[spec].append(sum(errors) / len(errors))
         assert max(key_channel_stats(kv).outlier_ratio) > 4  # the outlier key channels KIVI exploits
-    print("agreement", agreement, "key error", key_error)
+    # measured (greedy, fp32 CPU): agreement kivi4 .92/1/1, kivi2 .83/1/.75, per_token2 .83/.83/.75;
+    # mean key error kivi4 .025-.033, kivi2 .13-.17, per_token2 .31-.40
     kivi4, kivi2, naive2 = SPECS
     assert min(agreement[kivi4]) >= 0.75 and sum(agreement[kivi4]) / 3 >= 0.9
-    assert sum(agreement[kivi2]) / 3 >= 0.3
+    assert sum(agreement[kivi2]) / 3 >= 0.6
     assert sum(agreement[naive2]) < sum(agreement[kivi2])
     assert all(n > 1.3 * k for n, k in zip(key_error[naive2], key_error[kivi2], strict=True))
