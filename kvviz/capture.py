@@ -16,11 +16,17 @@ from typing import Protocol
 import torch
 
 ATTENTION_NAME = "kvviz"
-BLOCK_BYTES = 128 * 2**20  # largest probability block materialised at once
+BLOCK_BYTES = 128 * 2**20  # largest probability block materialised at once on accelerators
+BLOCK_BYTES_CPU = 4 * 2**20  # on CPU: small blocks stay in cache and reuse freed memory
+MIN_BLOCK_ROWS = 16  # floor on query rows per block, so very long contexts do not loop row by row
 
 
 class AttentionListener(Protocol):
-    """Receives blocks of attention probabilities ``[batch, q_heads, block_queries, keys]``."""
+    """Receives blocks of attention probabilities ``[batch, q_heads, block_queries, keys]``.
+
+    A listener with ``partial_keys = True`` accepts blocks covering only the first keys (the later ones got no
+    attention from these queries), which saves padding them to full width.
+    """
 
     def wants(self, layer_idx: int) -> bool: ...
 
@@ -42,6 +48,12 @@ def listening(*listeners: AttentionListener):
         _listeners.reset(token)
 
 
+def _block_rows(row_bytes: int, q_len: int, device: torch.device) -> int:
+    """Query rows per block: a few MB on CPU (fresh 100 MB blocks cost more in page faults than in arithmetic)."""
+    budget = BLOCK_BYTES_CPU if device.type == "cpu" else BLOCK_BYTES
+    return max(1, min(q_len, max(MIN_BLOCK_ROWS, budget // max(1, row_bytes))))
+
+
 def _explicit_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -51,37 +63,51 @@ def _explicit_attention(
     scaling: float,
     listeners: list[AttentionListener],
 ) -> torch.Tensor:
-    """Softmax attention in query blocks; GQA handled by grouping query heads over their shared KV head."""
+    """Softmax attention in query blocks; GQA handled by grouping query heads over their shared KV head.
+
+    kvviz caches are append-only, so a query never attends to keys stored after it: each block computes only the
+    keys its last query can see (causal work, as SDPA does). Listeners that set ``partial_keys`` receive that
+    narrower block; the others get it zero-padded to every key.
+    """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
-    grouped_query = query.reshape(batch, kv_heads, group, q_len, head_dim)
-    keys_t = key.unsqueeze(2).transpose(-1, -2)  # [B, Hkv, 1, D, K]
-    values = value.unsqueeze(2)  # [B, Hkv, 1, K, D]
-    block = max(1, min(q_len, BLOCK_BYTES // max(1, batch * q_heads * k_len * 4)))
+    pairs = batch * kv_heads
+    grouped = (query * scaling).reshape(pairs, group, q_len, head_dim)  # scaling q is cheaper than scaling scores
+    keys_t = key.reshape(pairs, k_len, head_dim).transpose(1, 2)  # [B*Hkv, D, K]
+    values = value.reshape(pairs, k_len, head_dim)
+    block = _block_rows(batch * q_heads * k_len * 4, q_len, query.device)
     causal_offset = k_len - q_len  # query i sees keys up to causal_offset + i
-    output = torch.empty(batch, q_heads, q_len, head_dim, dtype=query.dtype, device=query.device)
+    output = torch.empty(pairs, group, q_len, head_dim, dtype=query.dtype, device=query.device)
+    padded: torch.Tensor | None = None
     for start in range(0, q_len, block):
         stop = min(q_len, start + block)
-        scores = torch.matmul(grouped_query[:, :, :, start:stop], keys_t).float() * scaling
+        rows, width = stop - start, min(k_len, causal_offset + stop)
+        block_query = grouped[:, :, start:stop].reshape(pairs, group * rows, head_dim)
+        scores = torch.bmm(block_query, keys_t[:, :, :width]).float()
+        grid = scores.view(batch, kv_heads, group, rows, width)
         if attention_mask is not None:
-            mask = attention_mask[:, :, start:stop, :k_len].unsqueeze(1)
+            mask = attention_mask[:, :, start:stop, :width].unsqueeze(1)
             if mask.dtype == torch.bool:
-                scores = scores.masked_fill(~mask, float("-inf"))
+                grid.masked_fill_(~mask, float("-inf"))
             else:
-                scores = scores + mask.float()
-        elif q_len > 1:
-            rows = torch.arange(start, stop, device=query.device).unsqueeze(1) + causal_offset
-            cols = torch.arange(k_len, device=query.device).unsqueeze(0)
-            scores = scores.masked_fill(cols > rows, float("-inf"))
+                grid.add_(mask.float())
+        elif rows > 1:
+            seen = torch.arange(start, stop, device=query.device).unsqueeze(1) + causal_offset
+            grid.masked_fill_(torch.arange(width, device=query.device).unsqueeze(0) > seen, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        output[:, :, start:stop] = torch.matmul(probs.to(value.dtype), values).reshape(
-            batch, q_heads, stop - start, head_dim
-        )
-        flat = probs.reshape(batch, q_heads, stop - start, k_len)
+        mixed = torch.bmm(probs.to(value.dtype), values[:, :width])
+        output[:, :, start:stop] = mixed.view(pairs, group, rows, head_dim)
+        flat = probs.view(batch, q_heads, rows, width)
         for listener in listeners:
-            listener.observe(module.layer_idx, flat, start, q_len)
-    return output.transpose(1, 2).contiguous()
+            if width == k_len or getattr(listener, "partial_keys", False):
+                listener.observe(module.layer_idx, flat, start, q_len)
+                continue
+            if padded is None:
+                padded = torch.zeros(batch, q_heads, block, k_len, device=query.device)
+            padded[:, :, :rows, :width] = flat  # widths only grow, so the columns past them stay zero
+            listener.observe(module.layer_idx, padded[:, :, :rows], start, q_len)
+    return output.view(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
 def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -192,7 +218,10 @@ class AttentionStats:
 class StatsRecorder:
     """An attention listener that folds each probability block into :class:`AttentionStats` (batch 0 only)."""
 
+    partial_keys = True
+
     def __init__(self, config: CaptureConfig, num_tokens: int):
+        """``num_tokens``: the prompt's length, which is both the queries and the keys of its prefill."""
         self.config = config
         self.stats = AttentionStats(num_tokens=num_tokens, sink_tokens=config.sink_tokens)
         self._matrix_counts: dict[tuple[int, int], torch.Tensor] = {}
@@ -202,14 +231,13 @@ class StatsRecorder:
 
     def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
         probs = probs[0].detach().float().cpu()  # [H, block, K]
-        heads, block, keys = probs.shape
+        heads, block, width = probs.shape
         stats = self.stats
-        column_sum = probs.sum(dim=1)
-        if layer_idx in stats.key_attention:
-            stats.key_attention[layer_idx][:, :keys] += column_sum
-        else:
-            stats.key_attention[layer_idx] = torch.zeros(heads, keys).add_(column_sum)
+        keys = max(width, stats.num_tokens)
+        if layer_idx not in stats.key_attention:
+            stats.key_attention[layer_idx] = torch.zeros(heads, keys)
             stats.sink_mass[layer_idx] = torch.zeros(heads, query_total)
+        stats.key_attention[layer_idx][:, :width] += probs.sum(dim=1)
         sinks = probs[:, :, : self.config.sink_tokens].sum(-1)
         stats.sink_mass[layer_idx][:, query_start : query_start + block] = sinks
         for window in self.config.windows:
@@ -217,7 +245,7 @@ class StatsRecorder:
             if first < query_start + block:
                 summed = probs[:, first - query_start :].sum(dim=1)
                 per_layer = stats.window_attention.setdefault(window, {})
-                per_layer[layer_idx] = per_layer.get(layer_idx, torch.zeros(heads, keys)) + summed
+                per_layer.setdefault(layer_idx, torch.zeros(heads, keys))[:, :width] += summed
         for layer, head in self.config.matrices:
             if layer == layer_idx:
                 self._fold_matrix((layer, head), probs[head], query_start, query_total, keys)
@@ -230,13 +258,14 @@ class StatsRecorder:
         """
         size = self.config.matrix_size
         row_bins, col_bins = min(total, size), min(keys, size)
+        width = rows.shape[1]  # may be fewer than ``keys``: the rest got no attention
         if where not in self.stats.matrices:
             self.stats.matrices[where] = torch.zeros(row_bins, col_bins)
             self._matrix_counts[where] = torch.zeros(row_bins, 1)
         row_index = torch.div(torch.arange(start, start + rows.shape[0]) * row_bins, total, rounding_mode="floor")
-        col_index = torch.div(torch.arange(keys) * col_bins, keys, rounding_mode="floor")
-        by_row = torch.zeros(row_bins, keys).index_add_(0, row_index, rows)
-        self.stats.matrices[where] += torch.zeros(row_bins, col_bins).index_add_(1, col_index, by_row)
+        col_index = torch.div(torch.arange(width) * col_bins, keys, rounding_mode="floor")
+        by_col = torch.zeros(rows.shape[0], col_bins).index_add_(1, col_index, rows)  # columns first: O(block)
+        self.stats.matrices[where].index_add_(0, row_index, by_col)
         self._matrix_counts[where].index_add_(0, row_index, torch.ones(rows.shape[0], 1))
 
     def finish(self) -> AttentionStats:

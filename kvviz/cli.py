@@ -238,6 +238,36 @@ def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
             print(f"{depth:<16g}" + "".join(f"{m:>10}" for m in marks))
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Every performance figure of the issues in one run; the JSON is rewritten after each section."""
+    from kvviz import bench
+
+    sections = tuple(args.sections.split(",")) if args.sections else bench.SECTIONS
+    unknown = [s for s in sections if s not in bench.RUNNERS]
+    if unknown:
+        raise UsageError(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(bench.SECTIONS)}")
+    preset = "quick" if args.quick else args.preset
+    sizes = bench.SIZES[preset]
+    if args.lengths:
+        sizes = bench.with_lengths(sizes, tuple(_numbers(args.lengths, int, "--lengths")))
+    with bench.threads(args.threads):
+        loaded = bench.random_model(args.random_model, args.device, args.dtype) if args.random_model else _load(args)
+        command = "python -m kvviz " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "python -m kvviz bench"
+
+        def save(report) -> None:
+            if args.json:
+                _write_json(args.json, report.to_json())
+
+        report = bench.run_bench(loaded, preset, sections, command, lambda m: print(m, file=sys.stderr, flush=True),
+                                 sizes, save)
+    if args.json != "-":
+        print(f"{report.command}\nmodel {report.model} on {report.machine['device']} ({report.machine['processor']}, "
+              f"{report.machine['torch_threads']} threads, load {report.machine['load_average_at_start']}), "
+              f"{report.seconds:.0f}s\n")
+        print(report.table())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvviz", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -296,6 +326,18 @@ def build_parser() -> argparse.ArgumentParser:
     needle.add_argument("--quiet", action="store_true", help="no progress bar")
     needle.set_defaults(handler=cmd_needle)
 
+    bench = commands.add_parser("bench", help="the performance benchmark: every figure with its target")
+    _add_model_options(bench)
+    bench.add_argument("--quick", action="store_true", help="small sizes (seconds; what the tests run)")
+    bench.add_argument("--preset", default="default", choices=("default", "quick", "gpu"),
+                       help="sizes: default (the issues' CPU sizes), quick, gpu (4K-32K prompts)")
+    bench.add_argument("--sections", help="comma-separated subset of sections (default: all)")
+    bench.add_argument("--lengths", help="capture lengths, e.g. 4096,8192,16384,32768")
+    bench.add_argument("--random-model", metavar="PRESET|JSON",
+                       help="random weights of a shape: llama3-8b, smollm2-135m, tiny, or a config as JSON/file")
+    bench.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a busy machine)")
+    bench.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-' for stdout)")
+    bench.set_defaults(handler=cmd_bench)
     return parser
 
 

@@ -1,0 +1,104 @@
+"""The benchmark runs in --quick mode with every section's keys; forked caches equal independent runs; blockwise
+capture gives the same statistics whatever the block size."""
+
+import json
+
+import torch
+
+from kvviz import bench, capture
+from kvviz.capture import CaptureConfig, StatsRecorder, listening
+from kvviz.cli import main
+from kvviz.methods import parse_spec
+from kvviz.session import PromptSession
+
+
+def test_quick_bench_reports_every_section(real_model):
+    report = bench.run_bench(real_model, "quick")
+    assert [s.name for s in report.sections] == list(bench.SECTIONS)
+    failed_to_run = [(s.name, s.skipped) for s in report.sections if s.skipped and s.skipped.startswith("failed")]
+    assert not failed_to_run
+    data = report.to_json()
+    json.dumps(data)  # serialisable as is
+    figures = {s["name"]: {f["name"] for f in s["figures"]} for s in data["sections"] if not s["skipped"]}
+    assert {"shared_vs_independent", "same_tokens_as_independent"} <= figures["shared_prefill"]
+    assert "replay_vs_generate" in figures["replay_vs_generate"]
+    assert any(name.startswith("stats_growth@") for name in figures["capture"])
+    assert "worst" in figures["kv_bytes"]
+    by_name = {s.name: {f.name: f for f in s.figures} for s in report.sections}
+    assert by_name["shared_prefill"]["same_tokens_as_independent"].passed
+    assert by_name["replay_vs_generate"]["same_tokens"].passed
+    assert all(f.passed for name, f in by_name["capture"].items() if name.startswith("stats_growth@"))
+    assert by_name["kv_bytes"]["worst"].passed, report.table()
+    assert "| section | figure |" in report.table()
+
+
+def test_cli_bench_on_a_random_model_writes_json(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--quick", "--random-model", "tiny", "--device", "cpu", "--json", str(out),
+                 "--sections", "shared_prefill,capture,needle", "--lengths", "64,128"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["model"] == "random:tiny" and data["machine"]["device"] == "cpu"
+    sections = {s["name"]: s for s in data["sections"]}
+    assert sections["needle"]["skipped"].startswith("needs a real tokenizer")
+    assert {f["name"] for f in sections["capture"]["figures"]} >= {"capture_vs_plain@64", "stats_growth@64->128"}
+    assert "| shared_prefill |" in capsys.readouterr().out
+
+
+def test_cli_bench_refuses_unknown_sections(capsys):
+    assert main(["bench", "--quick", "--sections", "nope"]) == 2
+    assert "unknown section" in capsys.readouterr().err
+
+
+def test_forked_comparison_gives_the_same_tokens_as_independent_runs(tiny_model, story_ids):
+    ids = story_ids[:60]
+    specs = ["full", *bench.eviction_specs(16, len(ids))]
+    if "kivi" in bench.REGISTRY:
+        specs.append("kivi:bits=2,group=8,residual=8")
+    stacks = [parse_spec(s) for s in specs]
+    shared = PromptSession(tiny_model, ids)
+    shared.prefill(bench.shared_capture(stacks))
+    for spec, stack in zip(specs, stacks, strict=True):
+        forked, _ = shared.run(stack, 8)
+        alone, _ = PromptSession(tiny_model, ids).run(spec, 8)
+        assert forked.token_ids == alone.token_ids, spec
+        assert forked.kv_bytes == alone.kv_bytes, spec
+
+
+class _FullWidth:
+    """A listener without ``partial_keys``: it must always see every key."""
+
+    def __init__(self):
+        self.widths, self.row_sums = set(), []
+
+    def wants(self, layer_idx):
+        return layer_idx == 0
+
+    def observe(self, layer_idx, probs, query_start, query_total):
+        self.widths.add(probs.shape[-1])
+        self.row_sums.append(probs.sum(-1))
+
+
+def test_blockwise_capture_matches_one_block(tiny_model, story_ids, monkeypatch):
+    n = 90
+    ids = torch.tensor([story_ids[:n]])
+    config = CaptureConfig(windows=(8,), matrices=[(1, 3)], matrix_size=32)
+
+    def captured():
+        recorder, wide = StatsRecorder(config, n), _FullWidth()
+        with torch.inference_mode(), listening(recorder, wide):
+            logits = tiny_model.model(input_ids=ids).logits
+        return logits, recorder.finish(), wide
+
+    logits, whole, _ = captured()
+    monkeypatch.setattr(capture, "BLOCK_BYTES_CPU", 1)
+    monkeypatch.setattr(capture, "MIN_BLOCK_ROWS", 7)  # 13 blocks, the last one short
+    blocked_logits, blocked, wide = captured()
+    torch.testing.assert_close(blocked_logits, logits, atol=1e-5, rtol=1e-5)
+    for layer in (0, 1):
+        torch.testing.assert_close(blocked.key_attention[layer], whole.key_attention[layer], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(blocked.sink_mass[layer], whole.sink_mass[layer])
+        torch.testing.assert_close(blocked.window_attention[8][layer], whole.window_attention[8][layer])
+    torch.testing.assert_close(blocked.matrices[(1, 3)], whole.matrices[(1, 3)], atol=1e-5, rtol=1e-5)
+    assert wide.widths == {n}, "listeners without partial_keys get zero-padded full-width blocks"
+    torch.testing.assert_close(torch.cat([s.flatten() for s in wide.row_sums]), torch.ones(4 * n))
