@@ -6,7 +6,6 @@ Streamlit lives here and in the pages only; the engine (kvviz/) never imports it
 from __future__ import annotations
 
 import contextvars
-import os
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -15,65 +14,62 @@ import streamlit as st
 from kvviz.capture import AttentionStats, CaptureConfig, listening
 from kvviz.config import Settings
 from kvviz.diagnostics import prefill_kv, reconstruction_error
+from kvviz.faults import describe_error
 from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
-from kvviz.models import DEFAULT_MODEL, LoadedModel, ModelError, load_model
+from kvviz.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.needle import NeedleReport, run_needle_grid
 from kvviz.prompts import LengthCheck, decode_upload, prompt_limit
 from kvviz.results import Comparison
+from kvviz.runqueue import DONE, RunQueue, Ticket
 from kvviz.session import PromptError, PromptSession, compare, encode_prompt
 
 T = TypeVar("T")
 MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
 
 
-def allowed_models() -> list[str]:
-    """Models offered in the picker: KVVIZ_ALLOWED_MODELS (comma-separated) or the default plus KVVIZ_MODEL."""
-    listed = [m.strip() for m in os.environ.get("KVVIZ_ALLOWED_MODELS", "").split(",") if m.strip()]
-    if listed:
-        return listed
-    configured = os.environ.get("KVVIZ_MODEL", DEFAULT_MODEL)
-    return list(dict.fromkeys([configured, DEFAULT_MODEL]))
-
-
-def class_mode() -> bool:
-    """In class mode users pick only from the allowed list: no free-typed hub ids or paths."""
-    return bool(os.environ.get("KVVIZ_ALLOWED_MODELS", "").strip())
-
-
 @st.cache_resource(show_spinner=False, max_entries=4)
 def cached_model(name: str, weights: str = "auto") -> LoadedModel:
     """One shared instance per model for every user of this server."""
-    return load_model(name, weights=weights)
+    return load_model(name, device=settings().device, weights=weights)
 
 
 def model_picker() -> LoadedModel | None:
-    """Sidebar picker shared by every page; returns the loaded model or shows why it failed."""
-    options = allowed_models()
-    params = st.query_params
-    chosen = params.get("model", options[0])
-    if class_mode() and chosen not in options:
-        chosen = options[0]
+    """Sidebar picker shared by every page; returns the loaded model or shows why it failed.
+
+    In class mode (KVVIZ_ALLOWED_MODELS) users pick from the list only. Otherwise they may also type a hub id; what
+    they type is never used as a local path (folders come from the server's KVVIZ_* settings only).
+    """
+    config = settings()
+    options = config.models_offered
+    chosen = st.query_params.get("model", options[0])
     with st.sidebar:
         st.subheader("Model")
-        if class_mode():
+        if config.class_mode:
+            if chosen not in options:
+                st.warning(f"'{chosen}' is not offered on this server; choose one of the listed models.")
+                chosen = options[0]
             name = st.selectbox("Model", options, index=options.index(chosen), key="model_name")
         else:
-            extra = [] if chosen in options else [chosen]
+            extra = [] if chosen in options or not is_hub_id(chosen) else [chosen]
+            chosen = chosen if chosen in options + extra else options[0]
             name = st.selectbox("Model", options + extra + ["other…"], index=(options + extra).index(chosen),
                                 key="model_name", help="The embedded default runs everywhere; others need the hub.")
             if name == "other…":
-                name = st.text_input("Hub id or local folder", key="model_custom",
+                name = st.text_input("Hugging Face hub id", key="model_custom",
                                      placeholder="Qwen/Qwen2.5-0.5B-Instruct").strip()
                 if not name:
                     return None
-    if name != params.get("model", options[0]):
+                if not is_hub_id(name):
+                    st.error(f"'{name}' is not a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'.")
+                    return None
+    if name != st.query_params.get("model", options[0]):
         st.query_params["model"] = name
     try:
         with st.spinner(f"Loading {name}…"):
             return cached_model(name)
     except (ModelError, OSError, ValueError) as error:
-        st.sidebar.error(f"Could not load {name}: {error}")
+        st.sidebar.error(f"Could not load {name}: {describe_error(error)}")
         return None
 
 
@@ -179,29 +175,100 @@ def unrecorded(callback: Callable[..., None]) -> Callable[..., None]:
     return run
 
 
-def wait_notice(loaded: LoadedModel) -> None:
-    """Tell the user when someone else's run holds the model: theirs starts when it ends."""
-    if loaded.lock.acquire(blocking=False):
-        loaded.lock.release()
-    else:
-        st.info("Another run is using the model right now; yours starts as soon as it finishes.")
+class RunFailed(Exception):
+    """A queued run that did not finish: cancelled, abandoned or failed (the message says which and why)."""
+
+
+@st.cache_resource(show_spinner=False)
+def run_queue() -> RunQueue:
+    """One queue per server: runs on the model go one at a time, round-robin across users."""
+    return RunQueue(abandon_after=30.0, format_error=describe_error)
+
+
+_active: dict[str, Ticket] = {}  # browser session id -> its run in the queue (for the Cancel button)
+
+
+def _session_id() -> str:
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    context = get_script_run_ctx()
+    return context.session_id if context is not None else "local"
+
+
+def through_queue(user: str, job: Callable[[Callable[[float, str], None]], T],
+                  progress: Callable[[float, str], None]) -> T:
+    """Run ``job`` in the shared queue while reporting the place in line, then the run's own progress.
+
+    Polling keeps the run alive; a page that stops polling (closed tab, rerun, Cancel) gives its slot back.
+    """
+    queue = run_queue()
+    ticket = queue.submit(user, job)
+    _active[user] = ticket
+    try:
+        while not ticket.done.wait(0.2):
+            ticket.touch()
+            place = queue.position(ticket)
+            progress(ticket.fraction, f"Queued behind {place - 1} other run(s)…" if place > 1 else (
+                "Starting next…" if place == 1 else ticket.message))
+    finally:
+        if not ticket.finished:
+            ticket.cancel()  # interrupted (rerun or closed page): nobody will read this result
+        if _active.get(user) is ticket:
+            del _active[user]
+    if ticket.status != DONE:
+        raise RunFailed(ticket.error or ticket.status)
+    return ticket.result
+
+
+def _cancel(user: str, request_key: str | None) -> None:
+    ticket = _active.get(user)
+    if ticket is not None:
+        ticket.cancel()
+    if request_key:
+        st.session_state.pop(request_key, None)
+    st.session_state["kvviz_notice"] = "Run cancelled."
+
+
+def queued(compute: Callable[[str, Callable[[float, str], None]], T], start_text: str,
+           request_key: str | None = None) -> T:
+    """Show a progress bar and a Cancel button around a cached, queued computation; stop the page on failure.
+
+    ``compute(user, progress)`` is a st.cache_data function that calls :func:`through_queue` on a miss.
+    """
+    notice = st.session_state.pop("kvviz_notice", None)
+    if notice:
+        st.info(notice)
+    user = _session_id()
+    bar = st.progress(0.0, text=start_text)
+    cancel = st.empty()
+    cancel.button("Cancel run", key=f"cancel_{request_key or start_text}", on_click=_cancel,
+                  args=(user, request_key))
+    try:
+        result = compute(user, unrecorded(lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m)))
+    except RunFailed as error:
+        bar.empty()
+        cancel.empty()
+        st.error(f"The run did not finish: {error}")
+        st.stop()
+    bar.empty()
+    cancel.empty()
+    return result
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def cached_comparison(model_name: str, prompt_ids: tuple[int, ...], specs: tuple[str, ...], max_new_tokens: int,
-                      _loaded: LoadedModel, _progress: Callable[[float, str], None]) -> Comparison:
-    """compare() keyed by its inputs; the model and the progress callback are not part of the key."""
-    return compare(_loaded, list(prompt_ids), list(specs), max_new_tokens, progress=_progress)
+                      _loaded: LoadedModel, _user: str, _progress: Callable[[float, str], None]) -> Comparison:
+    """compare() keyed by its inputs; the model, the user and the progress callback are not part of the key."""
+    return through_queue(_user, lambda report: compare(_loaded, list(prompt_ids), list(specs), max_new_tokens,
+                                                       progress=report), _progress)
 
 
-def run_comparison(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int) -> Comparison:
-    """A comparison with a live progress bar (instant when the same inputs ran before)."""
-    wait_notice(loaded)
-    bar = st.progress(0.0, text="Starting…")
-    comparison = cached_comparison(loaded.name, tuple(prompt_ids), tuple(specs), max_new_tokens, loaded,
-                                   unrecorded(lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m)))
-    bar.empty()
-    return comparison
+def run_comparison(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int,
+                   request_key: str | None = None) -> Comparison:
+    """A comparison through the shared queue with a live progress bar (instant when the same inputs ran before)."""
+    return queued(lambda user, progress: cached_comparison(loaded.name, tuple(prompt_ids), tuple(specs),
+                                                           max_new_tokens, loaded, user, progress),
+                  "Starting…", request_key)
 
 
 def methods_of(kind: str) -> list[str]:
@@ -291,23 +358,25 @@ class _LayerProgress:
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def cached_attention_stats(model_name: str, prompt_ids: tuple[int, ...], layer: int, sink_tokens: int,
-                           _loaded: LoadedModel, _progress: Callable[[float, str], None]) -> AttentionStats:
+                           _loaded: LoadedModel, _user: str,
+                           _progress: Callable[[float, str], None]) -> AttentionStats:
     """Prefill statistics for every layer, plus the attention matrix of every head of ``layer``."""
     card = model_card(_loaded)
     config = CaptureConfig(sink_tokens=sink_tokens, matrices=[(layer, h) for h in range(card.q_heads)],
                            matrix_size=MATRIX_SIZE)
-    with _loaded.lock, listening(_LayerProgress(card.layers, _progress)):
-        return PromptSession(_loaded, list(prompt_ids)).prefill(config).stats
+
+    def job(report: Callable[[float, str], None]) -> AttentionStats:
+        with _loaded.lock, listening(_LayerProgress(card.layers, report)):
+            return PromptSession(_loaded, list(prompt_ids)).prefill(config).stats
+
+    return through_queue(_user, job, _progress)
 
 
 def attention_stats(loaded: LoadedModel, prompt_ids: list[int], layer: int, sink_tokens: int) -> AttentionStats:
-    """Prefill statistics with a progress bar (instant when the same inputs ran before)."""
-    wait_notice(loaded)
-    bar = st.progress(0.0, text="Running the prompt…")
-    stats = cached_attention_stats(loaded.name, tuple(prompt_ids), layer, sink_tokens, loaded,
-                                   unrecorded(lambda f, m: bar.progress(min(1.0, f), text=m)))
-    bar.empty()
-    return stats
+    """Prefill statistics through the shared queue with a progress bar (instant when cached)."""
+    return queued(lambda user, progress: cached_attention_stats(loaded.name, tuple(prompt_ids), layer, sink_tokens,
+                                                                loaded, user, progress),
+                  "Running the prompt…")
 
 
 def budget_spec(name: str, tokens: int, **overrides: object) -> str | None:
@@ -329,22 +398,20 @@ def budget_spec(name: str, tokens: int, **overrides: object) -> str | None:
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def cached_needle(model_name: str, specs: tuple[str, ...], lengths: tuple[int, ...], depths: tuple[float, ...],
-                  trials: int, mode: str, chat: bool, max_new_tokens: int, _loaded: LoadedModel,
+                  trials: int, mode: str, chat: bool, max_new_tokens: int, _loaded: LoadedModel, _user: str,
                   _progress: Callable[[float, str], None]) -> NeedleReport:
     """The needle grid keyed by its inputs."""
-    return run_needle_grid(_loaded, list(specs), list(lengths), list(depths), trials=trials, chat=chat, mode=mode,
-                           max_new_tokens=max_new_tokens, progress=_progress)
+    return through_queue(_user, lambda report: run_needle_grid(
+        _loaded, list(specs), list(lengths), list(depths), trials=trials, chat=chat, mode=mode,
+        max_new_tokens=max_new_tokens, progress=report), _progress)
 
 
 def run_needle(loaded: LoadedModel, specs: list[str], lengths: list[int], depths: list[float], trials: int,
                mode: str, chat: bool, max_new_tokens: int) -> NeedleReport:
-    """The needle grid with a progress bar (instant when the same inputs ran before)."""
-    wait_notice(loaded)
-    bar = st.progress(0.0, text="Building haystacks…")
-    report = cached_needle(loaded.name, tuple(specs), tuple(lengths), tuple(depths), trials, mode, chat,
-                           max_new_tokens, loaded, unrecorded(lambda f, m: bar.progress(min(1.0, f), text=m)))
-    bar.empty()
-    return report
+    """The needle grid through the shared queue with a progress bar (instant when the same inputs ran before)."""
+    return queued(lambda user, progress: cached_needle(loaded.name, tuple(specs), tuple(lengths), tuple(depths),
+                                                       trials, mode, chat, max_new_tokens, loaded, user, progress),
+                  "Building haystacks…", "needle_request")
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

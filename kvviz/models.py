@@ -120,9 +120,14 @@ def prepare_default_model() -> Path:
     return target
 
 
+def is_hub_id(name: str) -> bool:
+    """``owner/name`` as the hub spells it (and so never a path on this machine)."""
+    return bool(_HUB_ID.match(name)) and ".." not in name
+
+
 def download_hub_model(model_id: str) -> str:
     """Fetch a hub model's files into the Hugging Face cache (for images that must run offline later)."""
-    if not _HUB_ID.match(model_id):
+    if not is_hub_id(model_id):
         raise ModelError(f"{model_id!r} is not a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
     from huggingface_hub import snapshot_download
 
@@ -144,7 +149,7 @@ def resolve_source(name: str) -> tuple[str, bool]:
         if not (path / "config.json").exists():
             raise ModelError(f"{name!r} is a folder without config.json; not a transformers checkpoint")
         return str(path), True
-    if _HUB_ID.match(name):
+    if is_hub_id(name):
         return name, False
     raise ModelError(
         f"unknown model {name!r}: use {DEFAULT_MODEL!r}, a hub id like 'Qwen/Qwen2.5-0.5B-Instruct', "

@@ -3,7 +3,8 @@
 Page loads and cached results never touch it; only runs that need the model do. One worker thread executes runs
 one at a time. Order is round-robin across users (each user's runs FIFO), so a student who queues five comparisons
 does not starve the others. Users see their position, can cancel (queued runs leave at once, a running one stops at
-its next progress report), and a run whose page stopped polling (the browser went away) is dropped.
+its next progress report), and a run whose page stopped polling (the browser went away) is dropped, queued or
+running.
 """
 
 from __future__ import annotations
@@ -141,14 +142,17 @@ class RunQueue:
             ticket = self._next()
 
             def report(fraction: float, message: str, ticket: Ticket = ticket) -> None:
-                if ticket.cancel_requested:
+                if ticket.cancel_requested or time.monotonic() - ticket.last_seen > self.abandon_after:
                     raise Cancelled
                 ticket.fraction, ticket.message = fraction, message
 
             try:
                 result = ticket.job(report)
             except Cancelled:
-                self._finish(ticket, CANCELLED, error="cancelled")
+                if ticket.cancel_requested:
+                    self._finish(ticket, CANCELLED, error="cancelled")
+                else:
+                    self._finish(ticket, ABANDONED, error="the page went away")
             except Exception as error:  # noqa: BLE001 - a failing run must never stop the worker
                 self._finish(ticket, FAILED, error=self.format_error(error))
             else:

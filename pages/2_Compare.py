@@ -89,7 +89,7 @@ if request is None:
 if request != (tuple(ids or ()), tuple(valid), int(max_new)):
     st.caption("Showing the last run; the settings above have changed since. Press **Run comparison** again.")
 
-comparison = run_comparison(loaded, list(request[0]), list(request[1]), request[2])
+comparison = run_comparison(loaded, list(request[0]), list(request[1]), request[2], "compare_request")
 results = comparison.results
 st.success(f"{len(results)} configurations on {comparison.prompt_tokens} prompt tokens "
            f"(prefill {comparison.prefill_seconds:.2f} s on {comparison.device}).")

@@ -80,3 +80,16 @@ def test_abandoned_runs_free_their_slot_and_failures_keep_the_worker_alive():
     assert failed.done.wait(5) and failed.status == FAILED and "boom" in failed.error
     after = queue.submit("c", lambda progress: 42)
     assert after.done.wait(5) and after.result == 42
+
+
+def test_a_running_job_whose_page_stopped_polling_is_abandoned():
+    queue = RunQueue(abandon_after=0.1)
+
+    def long_job(progress):
+        for _ in range(500):
+            progress(0.5, "working")
+            time.sleep(0.01)
+        return "finished"
+
+    ticket = queue.submit("gone", long_job)
+    assert ticket.done.wait(5) and ticket.status == ABANDONED
