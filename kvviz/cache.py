@@ -105,10 +105,16 @@ class KVLayer(CacheLayerMixin):
         length = self.rotary.shape[-1]
         target = torch.arange(end - length, end, device=self.rotary.device).expand_as(self.rotary)
         delta = target - self.rotary
-        if bool((delta != 0).any()):
-            keys, _ = self.storage.materialize()
-            self.storage.replace_keys(self.owner.rotate_keys(keys, delta))
-            self.rotary = target.clone()
+        changed = (delta != 0).flatten(0, 1).any(dim=0).nonzero().flatten()
+        if changed.numel() == 0:
+            return
+        keys, _ = self.storage.materialize()
+        if changed.numel() == length:
+            keys = self.owner.rotate_keys(keys, delta)
+        else:  # typically only the sinks move: rotate those few entries, copy the rest
+            keys = keys.index_copy(2, changed, self.owner.rotate_keys(keys[:, :, changed], delta[:, :, changed]))
+        self.storage.replace_keys(keys)
+        self.rotary = target.clone()
 
     def nbytes(self) -> StorageBytes:
         return self.storage.nbytes()

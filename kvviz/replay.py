@@ -117,7 +117,7 @@ def decode(
 def eos_token_ids(model: torch.nn.Module, tokenizer) -> set[int]:
     """End-of-sequence ids from the generation config (falling back to the tokenizer's)."""
     ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
+    if ids is None and tokenizer is not None:  # random-weight benchmark models come without a tokenizer
         ids = tokenizer.eos_token_id
     if ids is None:
         return set()

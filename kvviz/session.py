@@ -111,6 +111,11 @@ class PromptSession:
                                         len(self.prompt_ids) + 64)
         return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys)
 
+    def _detokenize(self, token_ids: list[int]) -> str:
+        """Generated text; random-weight benchmark models have no tokenizer and no text."""
+        tokenizer = self.loaded.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
+
     def _capture_for(self, needed: bool, windows: tuple[int, ...], layer_inputs: bool = False) -> CaptureConfig | None:
         if not needed:
             return self._capture
@@ -139,7 +144,7 @@ class PromptSession:
         breakdown = cache.nbytes()
         result = MethodResult(
             method=stack.label,
-            text=self.loaded.tokenizer.decode(trace.token_ids, skip_special_tokens=True),
+            text=self._detokenize(trace.token_ids),
             token_ids=trace.token_ids,
             kv_bytes=breakdown.total,
             kv_bytes_full=self.card.kv_bytes(total_tokens),

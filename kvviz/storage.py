@@ -34,9 +34,17 @@ def tensor_bytes(*tensors: torch.Tensor | None) -> int:
 
 
 def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Select entries along the token axis (dim 2) per head: ``tensor`` [B, H, T, ...], ``index`` [B, H, n]."""
-    expanded = index.reshape(*index.shape, *([1] * (tensor.dim() - 3))).expand(*index.shape, *tensor.shape[3:])
-    return tensor.gather(2, expanded)
+    """Select entries along the token axis (dim 2) per head: ``tensor`` [B, H, T, ...], ``index`` [B, H, n].
+
+    Done as one row copy over a flattened [B*H*T, rest] view: several times faster than ``gather`` with an index
+    expanded over the head dimension, which is what keeps eviction cheap on every decode step.
+    """
+    batch, heads, length = tensor.shape[:3]
+    rest = tensor.shape[3:]
+    offsets = torch.arange(batch * heads, device=index.device).view(batch, heads, 1) * length
+    rows = (index.to(offsets.device) + offsets).reshape(-1)
+    picked = tensor.reshape(batch * heads * length, -1).index_select(0, rows.to(tensor.device))
+    return picked.view(batch, heads, index.shape[-1], *rest)
 
 
 class KVStorage:
