@@ -286,6 +286,13 @@ def mask_to_indices(keep_mask: torch.Tensor) -> torch.Tensor | None:
     return ranked.sort(dim=-1).values[..., :count]
 
 
+def per_kv_head(per_query_head: torch.Tensor, kv_heads: int, mean: bool = False) -> torch.Tensor:
+    """Fold [B, H_q, T] scores over the query heads that share each KV head (GQA): [B, H_kv, T]."""
+    batch, q_heads, length = per_query_head.shape
+    grouped = per_query_head.reshape(batch, kv_heads, q_heads // kv_heads, length)
+    return grouped.mean(2) if mean else grouped.sum(2)
+
+
 def topk_keep(scores: torch.Tensor, count: int, forced: torch.Tensor | None = None) -> torch.Tensor | None:
     """Keep the ``count`` highest-scoring entries per head (plus ``forced`` ones), returned in ascending order.
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register, topk_keep
+from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, per_kv_head, register, topk_keep
 
 
 @dataclass
@@ -14,12 +14,6 @@ class H2OState:
     """Accumulated attention per cached entry of one layer, [B, H_kv, T], aligned with the cache's entries."""
 
     scores: torch.Tensor | None = None
-
-
-def group_sum(per_query_head: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Sum [B, H_q, T] over the query heads that share each KV head: [B, H_kv, T]."""
-    batch, q_heads, length = per_query_head.shape
-    return per_query_head.reshape(batch, kv_heads, q_heads // kv_heads, length).sum(2)
 
 
 @register
@@ -43,12 +37,12 @@ class H2O(EvictionMethod):
         if received is None:
             scores = torch.zeros(batch, kv_heads, length)
         else:
-            scores = group_sum(received[:, :length].unsqueeze(0), kv_heads).expand(batch, -1, -1)
+            scores = per_kv_head(received[:, :length].unsqueeze(0), kv_heads).expand(batch, -1, -1)
         return self._evict(view, scores.to(view.positions.device))
 
     def select(self, view: LayerView) -> torch.Tensor | None:
         batch, kv_heads, length = view.positions.shape
-        received = group_sum(view.attention.float().sum(2), kv_heads)
+        received = per_kv_head(view.attention.float().sum(2), kv_heads)
         previous = view.state.scores
         if previous is None:
             previous = torch.zeros(batch, kv_heads, 0, device=received.device)

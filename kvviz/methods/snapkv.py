@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, SpecError, register, topk_keep
+from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, SpecError, per_kv_head, register, topk_keep
 
 
 def pooled_window_scores(window_sum: torch.Tensor, window: int, kernel: int, pool: str, kv_heads: int) -> torch.Tensor:
@@ -19,8 +19,7 @@ def pooled_window_scores(window_sum: torch.Tensor, window: int, kernel: int, poo
         pooled = F.max_pool1d(prefix, kernel_size=kernel, stride=1, padding=kernel // 2)
     else:
         pooled = F.avg_pool1d(prefix, kernel_size=kernel, stride=1, padding=kernel // 2)
-    heads, length = pooled.shape[1], pooled.shape[2]
-    return pooled.reshape(1, kv_heads, heads // kv_heads, length).mean(2)
+    return per_kv_head(pooled, kv_heads, mean=True)
 
 
 @register
