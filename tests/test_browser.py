@@ -31,13 +31,13 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(tmp_path_factory):
     """``streamlit run app.py`` on a free loopback port, until the module's tests finish."""
     if not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
     pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
     port = free_port()
-    log = open(ROOT / ".pytest_cache" / "streamlit-browser.log", "w")  # noqa: SIM115 - closed below
+    log = open(tmp_path_factory.mktemp("streamlit") / "server.log", "w")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
          "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false",
