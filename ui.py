@@ -19,7 +19,7 @@ from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
 from kvviz.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.needle import NeedleReport, run_needle_grid
-from kvviz.prompts import LengthCheck, decode_upload, prompt_limit
+from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_keep_start
 from kvviz.results import Comparison
 from kvviz.runqueue import DONE, RunQueue, Ticket
 from kvviz.session import PromptError, PromptSession, compare, encode_prompt
@@ -146,7 +146,10 @@ def encode(loaded: LoadedModel, text: str, chat: bool, max_new_tokens: int = 0) 
                                                max_new_tokens))
     if check.too_long:
         st.error(check.message)
-        return None
+        if not st.toggle(f"Truncate to the first {check.limit:,} tokens", key=f"truncate_{len(ids)}_{check.limit}"):
+            return None
+        ids = truncate_keep_start(ids, check.limit)
+        st.caption(f"Running the first {check.limit:,} of {check.tokens:,} tokens.")
     return ids
 
 

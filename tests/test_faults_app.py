@@ -1,0 +1,94 @@
+"""Faults a classroom meets, through the real pages: the message shown, and the app healthy afterwards."""
+
+from pathlib import Path
+
+import torch
+from streamlit.testing.v1 import AppTest
+
+import kvviz.session
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = "Name one planet."
+
+
+def _compare(**params) -> AppTest:
+    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=300)
+    for key, value in params.items():
+        app.query_params[key] = value
+    return app.run()
+
+
+def _errors(app: AppTest) -> str:
+    return " ".join(str(e.value) for e in app.error)
+
+
+def _run(app: AppTest, prompt: str) -> AppTest:
+    app.text_area(key="compare_text").set_value(prompt).run()
+    app.button[0].click().run()
+    return app
+
+
+def test_too_long_prompt_offers_truncation_then_runs(monkeypatch):
+    monkeypatch.setenv("KVVIZ_MAX_PROMPT_TOKENS", "24")
+    app = _compare(m=["full"], n="2")
+    app.text_area(key="compare_text").set_value("word " * 200).run()
+    assert "this server allows 24" in _errors(app)
+    truncate = next(t for t in app.toggle if t.label.startswith("Truncate to the first 24"))
+    truncate.set_value(True).run()
+    app.button[0].click().run()
+    assert not app.exception
+    assert any(s.value.startswith("1 configurations on 24 prompt tokens") for s in app.success)
+
+
+def test_disallowed_model_in_class_mode_is_refused_and_the_page_still_works(monkeypatch):
+    monkeypatch.setenv("KVVIZ_ALLOWED_MODELS", "smollm2-135m-instruct")
+    app = _compare(model="evil/remote-code-model", m=["full"], n="2")
+    assert not app.exception
+    assert any("is not offered on this server" in w.value for w in app.warning)
+    assert app.selectbox(key="model_name").value == "smollm2-135m-instruct"
+    _run(app, SHORT)
+    assert not app.exception and app.dataframe
+
+
+def test_bad_method_parameters_are_shown_beside_the_widget():
+    app = _compare(m=["full"], n="2")
+    app.text_input(key="cfg0_spec").set_value("window:window=-3").run()
+    assert not app.exception
+    assert "bad value in 'window:window=-3'" in _errors(app)
+    run = app.button[0]
+    assert run.disabled, "nothing runs until the configuration is valid"
+    app.text_input(key="cfg0_spec").set_value("window:window=8").run()
+    assert not app.error and not app.button[0].disabled
+
+
+def test_a_crash_inside_one_method_leaves_the_others_standing(monkeypatch):
+    original = kvviz.session.PromptSession.run
+
+    def flaky(self, spec, *args, **kwargs):
+        if "window" in str(getattr(spec, "label", spec)):
+            raise RuntimeError("simulated kernel failure")
+        return original(self, spec, *args, **kwargs)
+
+    monkeypatch.setattr(kvviz.session.PromptSession, "run", flaky)
+    app = _run(_compare(m=["full", "window:window=8"], n="3"), "Say hi twice.")
+    assert not app.exception
+    table = app.dataframe[0].value
+    assert table["error"][0] == "" and "simulated kernel failure" in table["error"][1]
+
+
+def test_out_of_memory_names_the_setting_and_the_next_run_works(monkeypatch):
+    original = kvviz.session.compare
+    calls = {"n": 0}
+
+    def once_out_of_memory(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr("ui.compare", once_out_of_memory)
+    app = _run(_compare(m=["full"], n="2"), "Count to three, slowly.")
+    assert "ran out of memory" in _errors(app) and "max new tokens" in _errors(app)
+    assert not app.exception
+    app.button[0].click().run()
+    assert not app.exception and app.dataframe, "the server keeps serving after the failure"
