@@ -19,23 +19,23 @@ SPECS = ["full", "window:window=12"]
 
 
 def _compare_page(prompt: str) -> AppTest:
+    """A student's Compare page with the prompt typed in, ready to press Run."""
     app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=600)
     for key, value in {"m": SPECS, "n": "5"}.items():
         app.query_params[key] = value
     app.run()
     app.text_area(key="compare_text").set_value(prompt).run()
-    app.button[0].click().run()
     return app
 
 
 @pytest.mark.slow
 def test_concurrent_sessions_all_complete_with_single_user_results(real_model):
-    apps: dict[str, AppTest] = {}
+    apps = {prompt: _compare_page(prompt) for prompt in PROMPTS}  # pages open; the runs start together
     errors: list[BaseException] = []
 
     def student(prompt: str) -> None:
         try:
-            apps[prompt] = _compare_page(prompt)
+            apps[prompt].button[0].click().run()
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
