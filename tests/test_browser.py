@@ -158,3 +158,33 @@ def test_every_page_in_chromium(server):
             shoot(page, "lessons")
         finally:
             browser.close()
+
+
+def test_bad_uploads_get_a_message_and_the_page_keeps_working(server, tmp_path):
+    """Binary and non-UTF-8 prompt files, uploaded through the real file picker."""
+    from playwright.sync_api import sync_playwright
+
+    binary = tmp_path / "notes.txt"
+    binary.write_bytes(b"PK\x03\x04\x00\x00binary")
+    latin = tmp_path / "essay.md"
+    latin.write_bytes("café au lait".encode("latin-1"))
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{server}/Compare?m=full&n=2", timeout=120_000)
+            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
+            settle(page)
+            upload = page.locator('[data-testid="stFileUploader"] input[type="file"]').first
+            upload.set_input_files(str(binary))
+            page.get_by_text("looks binary").wait_for(timeout=60_000)
+            settle(page)
+            no_exception(page)
+            upload.set_input_files(str(latin))
+            page.get_by_text("is not UTF-8 text").wait_for(timeout=60_000)
+            settle(page)
+            no_exception(page)
+            assert page.get_by_role("button", name="Run comparison").is_visible(), "the page still works"
+        finally:
+            browser.close()
