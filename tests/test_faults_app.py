@@ -92,3 +92,14 @@ def test_out_of_memory_names_the_setting_and_the_next_run_works(monkeypatch):
     assert not app.exception
     app.button[0].click().run()
     assert not app.exception and app.dataframe, "the server keeps serving after the failure"
+
+
+def test_unreachable_hub_is_a_message_and_the_default_still_works(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what a classroom without internet looks like to the hub client
+    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=300)
+    app.query_params["model"] = "nobody-here/not-cached-model"
+    app.run()
+    assert not app.exception
+    assert "Could not load nobody-here/not-cached-model" in " ".join(str(e.value) for e in app.sidebar.error)
+    app.selectbox(key="model_name").set_value("smollm2-135m-instruct").run()
+    assert not app.exception and not app.sidebar.error
