@@ -33,6 +33,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="allow model code from the hub to run (off unless given)")
 
 
+def _add_output_options(parser: argparse.ArgumentParser) -> None:
+    """--json and --quiet, shared by the commands that run the model and report results."""
+    parser.add_argument("--json", metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def _load(args: argparse.Namespace):
     from kvviz.models import load_model
 
@@ -295,8 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--method", action="append", metavar="SPEC",
                       help="name[:key=value,...][+name[:key=value,...]]; repeat for several (default: full)")
     comp.add_argument("--max-new-tokens", type=int, default=64)
-    comp.add_argument("--json", metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
-    comp.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_output_options(comp)
     comp.set_defaults(handler=cmd_compare)
 
     ppl = commands.add_parser("ppl", help="streaming perplexity of a text per method")
@@ -306,8 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     ppl.add_argument("--method", action="append", metavar="SPEC", help="repeat for several (default: full)")
     ppl.add_argument("--tokens", type=int, default=2048, help="score the first N tokens of the text (default 2048)")
     ppl.add_argument("--start", type=int, default=0, help="average the NLL over positions >= S (default 0)")
-    ppl.add_argument("--json", metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
-    ppl.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_output_options(ppl)
     ppl.set_defaults(handler=cmd_ppl)
 
     needle = commands.add_parser("needle", help="pass-key retrieval grid per method")
@@ -322,8 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
     needle.add_argument("--mode", default="query_aware",
                         help="query_aware (question compressed with the context) or query_agnostic (asked after)")
     needle.add_argument("--max-new-tokens", type=int, default=16)
-    needle.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-' for stdout)")
-    needle.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_output_options(needle)
     needle.set_defaults(handler=cmd_needle)
 
     bench = commands.add_parser("bench", help="the performance benchmark: every figure with its target")
