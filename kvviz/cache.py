@@ -8,7 +8,7 @@ positions, or in-cache positions when a method re-rotates).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,9 +16,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvviz.ledger import EvictionLedger
 from kvviz.methods.base import EvictionMethod, LayerView, MethodStack
-from kvviz.storage import DenseStorage, KVStorage, StorageBytes
+from kvviz.storage import DenseStorage, KeptRanges, KVStorage, StorageBytes, take_ranges
 
-RotateKeys = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (keys, position deltas [B,H,T]) -> keys
+
+@dataclass
+class Rerotation:
+    """Cache entries whose keys move (``changed``) and the cos/sin of their rotation."""
+
+    changed: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
 
 
 class KVLayer(CacheLayerMixin):
@@ -52,7 +59,7 @@ class KVLayer(CacheLayerMixin):
         self.rotary = rotary.clone() if self.rotary is None else torch.cat([self.rotary, rotary], -1)
         if self.owner.decoding and self.eviction is not None and not self.eviction.scores_attention:
             # the new tokens' queries already carry rotary positions; re-rotated keys must end where they stand
-            self.apply_keep(self.eviction.select(self.view()), rotary_end=int(self.owner.step_rotary.max()) + 1)
+            self.apply_keep(self.eviction.select(self.view()), rotary_end=self.owner.step_rotary_end)
         return self.storage.materialize()
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
@@ -66,33 +73,41 @@ class KVLayer(CacheLayerMixin):
 
     # -- kvviz ------------------------------------------------------------------------------------------------
     def view(self, attention: torch.Tensor | None = None) -> LayerView:
-        keys, values = self.storage.materialize()
         return LayerView(
             layer_idx=self.layer_idx,
             positions=self.positions,
-            keys=keys,
+            entries=self.storage.materialize,
             prompt_length=self.owner.prompt_length,
             step=self.owner.step,
             attention=attention,
             state=self.state,
-            values=values,
         )
 
-    def apply_keep(self, index: torch.Tensor | None, rotary_end: int | None = None) -> None:
-        """Keep entries ``index`` [B, H, n]; record the rest in the ledger; re-rotate keys if the method asks.
+    def apply_keep(self, kept: torch.Tensor | KeptRanges | None, rotary_end: int | None = None) -> None:
+        """Keep entries ``kept`` (an index [B, H, n] or ranges every head keeps); record the rest in the ledger;
+        re-rotate keys if the method asks.
 
         ``rotary_end``: one past the rotary position re-rotated keys must end at (the in-flight queries' position);
         by default the cache length, so the next token (given rotary position ``len(cache)``) follows on.
         """
-        if index is None:
+        if kept is None:
             return
-        keep_mask = torch.zeros_like(self.positions, dtype=torch.bool).scatter_(-1, index, True)
-        if self.owner.ledger is not None:
-            removed = self.positions[0][~keep_mask[0]].view(self.positions.shape[1], -1)
-            self.owner.ledger.record(self.layer_idx, self.owner.step, removed)
-        self.storage.keep(index)
-        self.positions = self.positions.gather(-1, index)
-        self.rotary = self.rotary.gather(-1, index)
+        if isinstance(kept, KeptRanges):
+            if self.owner.ledger is not None:
+                gaps = kept.dropped(self.positions.shape[-1])
+                if gaps:
+                    self.owner.ledger.record(self.layer_idx, self.owner.step, take_ranges(self.positions[0], gaps, -1))
+            self.storage.keep_ranges(kept)
+            self.positions = take_ranges(self.positions, kept.spans, -1)
+            self.rotary = take_ranges(self.rotary, kept.spans, -1)
+        else:
+            if self.owner.ledger is not None:
+                dropped = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept[0], False)
+                removed = self.positions[0][dropped].view(self.positions.shape[1], -1)
+                self.owner.ledger.record(self.layer_idx, self.owner.step, removed)
+            self.storage.keep(kept)
+            self.positions = self.positions.gather(-1, kept)
+            self.rotary = self.rotary.gather(-1, kept)
         if self.eviction is not None and self.eviction.rerotate:
             self._rerotate(self.rotary.shape[-1] if rotary_end is None else rotary_end)
 
@@ -102,19 +117,15 @@ class KVLayer(CacheLayerMixin):
         Only distances matter to RoPE: a query at position p then sees the key i entries back at distance i, as if
         the evicted tokens had never existed.
         """
-        length = self.rotary.shape[-1]
-        target = torch.arange(end - length, end, device=self.rotary.device).expand_as(self.rotary)
-        delta = target - self.rotary
-        changed = (delta != 0).flatten(0, 1).any(dim=0).nonzero().flatten()
-        if changed.numel() == 0:
-            return
-        keys, _ = self.storage.materialize()
-        if changed.numel() == length:
-            keys = self.owner.rotate_keys(keys, delta)
-        else:  # typically only the sinks move: rotate those few entries, copy the rest
-            keys = keys.index_copy(2, changed, self.owner.rotate_keys(keys[:, :, changed], delta[:, :, changed]))
-        self.storage.replace_keys(keys)
-        self.rotary = target.clone()
+        batch, heads, length = self.rotary.shape
+        # re-rotating methods keep the same entries in every head (see EvictionMethod): one row serves them all
+        plan = self.owner.rerotation(self.rotary[0, 0], end, self.storage.materialize()[0].dtype)
+        if plan is not None:
+            keys, _ = self.storage.materialize()
+            # typically only the sinks move: rotate those few entries where they are
+            self.storage.write_keys(plan.changed, self.owner.rotate_keys.apply(keys[:, :, plan.changed], plan.cos,
+                                                                               plan.sin))
+        self.rotary = torch.arange(end - length, end, device=self.rotary.device).expand(batch, heads, length)
 
     def nbytes(self) -> StorageBytes:
         return self.storage.nbytes()
@@ -128,7 +139,7 @@ class KVCache(Cache):
         num_layers: int,
         stack: MethodStack | None = None,
         ledger: EvictionLedger | None = None,
-        rotate_keys: RotateKeys | None = None,
+        rotate_keys: KeyRotator | None = None,
     ):
         self.stack = stack or MethodStack()
         self.ledger = ledger
@@ -138,6 +149,8 @@ class KVCache(Cache):
         self.decoding = False
         self.step_positions = torch.zeros(0, dtype=torch.long)
         self.step_rotary = torch.zeros(0, dtype=torch.long)
+        self.step_rotary_end = 0  # one past the newest token's rotary position
+        self._rerotation: tuple[tuple, torch.Tensor, Rerotation | None] | None = None  # the last layer's answer
         quantization, eviction = self.stack.quantization, self.stack.eviction
         layers = [
             KVLayer(i, self, quantization.new_storage(i) if quantization else DenseStorage(), eviction)
@@ -159,11 +172,29 @@ class KVCache(Cache):
             return torch.arange(absolute.numel()) + int(self.layers[0].rotary.max()) + 1
         return absolute
 
+    def rerotation(self, rotary: torch.Tensor, end: int, dtype: torch.dtype) -> Rerotation | None:
+        """How to move keys at rotary positions ``rotary`` [T] to consecutive positions ending at ``end - 1``, or
+        None when none move. Layers that hold the same positions in a step (every layer, for a positional policy)
+        share one answer instead of each computing the angles again."""
+        last = self._rerotation
+        if last is not None and last[0] == (end, dtype) and torch.equal(last[1], rotary):
+            return last[2]
+        target = torch.arange(end - rotary.numel(), end, device=rotary.device)
+        changed = (target != rotary).nonzero().flatten()
+        plan = None
+        if changed.numel():
+            plan = Rerotation(changed, *self.rotate_keys.angles(target[changed] - rotary[changed], dtype))
+        self._rerotation = ((end, dtype), rotary, plan)
+        return plan
+
     def begin_forward(self, absolute: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Set the positions of the tokens about to be fed; return (position_ids, cache_position) for the model."""
         self.step = step
         self.step_positions = absolute.cpu()
         self.step_rotary = self.next_rotary_positions(absolute.cpu())
+        self.step_rotary_end = int(self.step_rotary.max()) + 1
+        if self.ledger is not None:
+            self.ledger.ensure(int(absolute.max()) + 1)
         stored = self.get_seq_length()
         cache_position = torch.arange(stored, stored + absolute.numel())
         return self.step_rotary.unsqueeze(0), cache_position
@@ -184,7 +215,7 @@ class KVCache(Cache):
         stack: MethodStack,
         stats: Any = None,
         ledger: EvictionLedger | None = None,
-        rotate_keys: RotateKeys | None = None,
+        rotate_keys: KeyRotator | None = None,
     ) -> KVCache:
         """A new cache holding ``prefill``'s entries under ``stack``: stored its way, compressed by its eviction.
 
@@ -217,21 +248,33 @@ class KVCache(Cache):
         return self.layers[layer_idx].positions[0]
 
 
-def rope_rotator(model: torch.nn.Module) -> RotateKeys | None:
-    """A function that rotates cached keys by per-entry position deltas with the model's own rotary embedding."""
+@dataclass
+class KeyRotator:
+    """Rotates cached keys by per-entry position deltas with the model's rotary frequencies (rotate-half RoPE).
+
+    It reads ``inv_freq`` (which RoPE variants that rescale with length keep up to date) instead of calling the
+    rotary module: the module's autocast guard costs more than rotating a few sink keys, once per layer and step.
+    """
+
+    inv_freq: torch.Tensor
+
+    def angles(self, delta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [..., D] of the rotation by ``delta`` positions."""
+        angles = delta.to(self.inv_freq.device).unsqueeze(-1).float() * self.inv_freq.float()
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @staticmethod
+    def apply(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = keys.shape[-1] // 2
+        return keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], dim=-1) * sin
+
+    def __call__(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self.apply(keys, *self.angles(delta, keys.dtype))
+
+
+def rope_rotator(model: torch.nn.Module) -> KeyRotator | None:
+    """The rotator for ``model``'s keys, or None when it has no rotary embedding to read."""
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
-    if rotary is None:
-        return None
-
-    def rotate(keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        batch, heads, length, dim = keys.shape
-        cos, sin = rotary(keys, delta.reshape(batch, heads * length))
-        scale = getattr(rotary, "attention_scaling", 1.0) or 1.0  # cos/sin come pre-scaled for some RoPE types
-        cos = (cos / scale).view(batch, heads, length, dim).to(keys.dtype)
-        sin = (sin / scale).view(batch, heads, length, dim).to(keys.dtype)
-        half = dim // 2
-        rotated_half = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
-        return keys * cos + rotated_half * sin
-
-    return rotate
-
+    inv_freq = getattr(rotary, "inv_freq", None)
+    return None if inv_freq is None else KeyRotator(inv_freq)

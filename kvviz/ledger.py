@@ -39,10 +39,12 @@ class EvictionLedger:
             self.evicted_at = grown
 
     def record(self, layer_idx: int, step: int, removed_positions: torch.Tensor) -> None:
-        """``removed_positions`` [H_kv, r] absolute positions evicted from this layer at ``step``."""
+        """``removed_positions`` [H_kv, r] absolute positions evicted from this layer at ``step``.
+
+        The ledger must already cover them (:meth:`ensure`, called once per step by the cache rather than per layer).
+        """
         if removed_positions.numel():
-            self.ensure(int(removed_positions.max()) + 1)
-            self.evicted_at[layer_idx].scatter_(1, removed_positions.long().cpu(), step)
+            self.evicted_at[layer_idx].scatter_(1, removed_positions.cpu(), step)
 
     def trimmed(self, total_length: int) -> EvictionLedger:
         """A copy covering exactly ``total_length`` tokens (drops unused growth room)."""

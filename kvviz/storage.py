@@ -47,6 +47,42 @@ def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return picked.view(batch, heads, index.shape[-1], *rest)
 
 
+@dataclass(frozen=True)
+class KeptRanges:
+    """Entries every head keeps, as ascending cache-index ranges ``[start, end)``: what positional policies (a
+    window, sinks + window) choose. Slicing ranges is a plain copy with no index to build, so eviction stays cheap."""
+
+    spans: tuple[tuple[int, int], ...]
+    batch: int
+    heads: int
+    device: torch.device | str = "cpu"
+
+    @property
+    def count(self) -> int:
+        return sum(end - start for start, end in self.spans)
+
+    def index(self) -> torch.Tensor:
+        """The same choice as an index [B, H, n], for storages and code that gather."""
+        kept = torch.cat([torch.arange(start, end, device=self.device) for start, end in self.spans])
+        return kept.expand(self.batch, self.heads, kept.numel())
+
+    def dropped(self, length: int) -> tuple[tuple[int, int], ...]:
+        """The ranges of the ``length`` entries that are not kept."""
+        gaps, cursor = [], 0
+        for start, end in self.spans:
+            if start > cursor:
+                gaps.append((cursor, start))
+            cursor = end
+        if cursor < length:
+            gaps.append((cursor, length))
+        return tuple(gaps)
+
+
+def take_ranges(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...], dim: int) -> torch.Tensor:
+    """The entries of ``tensor`` along ``dim`` within ``spans``, in one copy."""
+    return torch.cat([tensor.narrow(dim, start, end - start) for start, end in spans], dim=dim)
+
+
 class KVStorage:
     """Protocol every storage follows."""
 
@@ -56,6 +92,10 @@ class KVStorage:
     def keep(self, index: torch.Tensor) -> None:
         """Keep only entries ``index`` [B, H, n] (ascending), dropping the rest."""
         raise NotImplementedError
+
+    def keep_ranges(self, kept: KeptRanges) -> None:
+        """Keep only the entries in ``kept``'s ranges (storages that can slice do it without an index)."""
+        self.keep(kept.index())
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values as attention reads them (dequantized where stored in fewer bits)."""
@@ -69,32 +109,65 @@ class KVStorage:
 
 
 class DenseStorage(KVStorage):
-    """Entries kept as they come, in the model's dtype: the ``full`` cache."""
+    """Entries kept as they come, in the model's dtype: the ``full`` cache.
+
+    Appends wait in ``pending`` until something reads the entries, so a positional eviction that follows an append
+    (a sliding window dropping its oldest token) builds the kept cache in one copy, not a concatenation plus a gather.
+    """
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.owned = False  # True once ``keys`` is a tensor this storage made (safe to write in place)
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.keys is None:
             self.keys, self.values = keys, values
         else:
-            self.keys = torch.cat([self.keys, keys], dim=2)
-            self.values = torch.cat([self.values, values], dim=2)
+            self.pending.append((keys, values))
 
     def keep(self, index: torch.Tensor) -> None:
-        self.keys = gather_tokens(self.keys, index)
-        self.values = gather_tokens(self.values, index)
+        keys, values = self.materialize()
+        self.keys, self.values = gather_tokens(keys, index), gather_tokens(values, index)
+        self.owned = True
 
-    def replace_keys(self, keys: torch.Tensor) -> None:
-        """Swap in re-rotated keys (StreamingLLM's position shift)."""
-        self.keys = keys
+    def keep_ranges(self, kept: KeptRanges) -> None:
+        self.keys, self.values = self._join(kept.spans)
+        self.pending = []
+        self.owned = True
+
+    def _join(self, spans: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The entries in ``spans`` (cache-index ranges over stored + pending entries), copied once."""
+        key_pieces, value_pieces = [], []
+        for start, end in spans:
+            offset = 0
+            for keys, values in [(self.keys, self.values), *self.pending]:
+                low, high = max(start, offset), min(end, offset + keys.shape[2])
+                if low < high:
+                    key_pieces.append(keys[:, :, low - offset:high - offset])
+                    value_pieces.append(values[:, :, low - offset:high - offset])
+                offset += keys.shape[2]
+        return torch.cat(key_pieces, dim=2), torch.cat(value_pieces, dim=2)
+
+    def write_keys(self, index: torch.Tensor, keys: torch.Tensor) -> None:
+        """Overwrite the keys at cache indices ``index`` (StreamingLLM's re-rotated sinks), in place when possible."""
+        stored, _ = self.materialize()
+        if self.owned:
+            stored.index_copy_(2, index, keys)
+        else:  # the tensor may be shared (a forked prefill): write into a copy
+            self.keys, self.owned = stored.index_copy(2, index, keys), True
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.pending:
+            self.keys, self.values = self._join(((0, len(self)),))
+            self.pending = []
+            self.owned = True
         return self.keys, self.values
 
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return sum(keys.shape[2] for keys, _ in [(self.keys, self.values), *self.pending] if keys is not None)
 
     def nbytes(self) -> StorageBytes:
-        return StorageBytes(full_precision=tensor_bytes(self.keys, self.values))
+        held = [(self.keys, self.values), *self.pending]
+        return StorageBytes(full_precision=sum(tensor_bytes(keys, values) for keys, values in held))

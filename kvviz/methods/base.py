@@ -8,10 +8,13 @@ a stack of them: ``name[:key=value,key=value][+name[:key=value,...]]``, e.g. ``s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+
+from kvviz.storage import KeptRanges
 
 
 class SpecError(ValueError):
@@ -213,7 +216,8 @@ class LayerView:
     """What an eviction method sees of one layer when it decides.
 
     positions: [B, H_kv, T] absolute token positions of the stored entries (per KV head: heads may differ).
-    keys: [B, H_kv, T, D] stored keys as attention reads them.
+    keys, values: [B, H_kv, T, D] stored entries as attention reads them, read from ``entries`` on first use (a
+        positional policy never reads them, which lets the cache fuse an append with the eviction that follows).
     attention: the latest queries' probabilities over these entries, [B, H_q, q, T], for methods that score by
         attention at decode time; None otherwise.
     prompt_length: tokens in the prompt; step: 0 during prefill compression, s >= 1 at decode step s.
@@ -222,12 +226,19 @@ class LayerView:
 
     layer_idx: int
     positions: torch.Tensor
-    keys: torch.Tensor
+    entries: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     prompt_length: int
     step: int
     attention: torch.Tensor | None = None
     state: Any = None
-    values: torch.Tensor | None = None  # [B, H_kv, T, D] stored values (scorers that weigh value norms)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.entries()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.entries()[1]
 
 
 class EvictionMethod(Method):
@@ -236,7 +247,8 @@ class EvictionMethod(Method):
     ``scores_attention``: the method needs the current queries' attention at every decode step (H2O, TOVA); it is
     then called after attention, and the cache may hold one token over budget while attending. Otherwise it is called
     right after new entries are appended, before attention, so attention never sees more than the budget.
-    ``rerotate``: cached keys take their positions inside the cache (StreamingLLM's position shift).
+    ``rerotate``: cached keys take their positions inside the cache (StreamingLLM's position shift); such a method
+    keeps the same entries in every head, so one set of rotary positions serves them all.
     ``uses_prefill_attention``: the method reads the prefill's accumulated attention per key (H2O's initial scores).
     ``prefill_windows``: observation windows whose attention sums the method reads at prefill (SnapKV).
     ``prefill_layer_inputs``: the method reads each attention module's prefill input (hidden states and rotary
@@ -256,15 +268,16 @@ class EvictionMethod(Method):
     def new_state(self, layer_idx: int) -> Any:
         return None
 
-    def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | None:
-        """After the prompt's forward: indices [B, H_kv, n] of entries to keep, or None to keep all.
+    def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | KeptRanges | None:
+        """After the prompt's forward: entries to keep as :meth:`select` returns them, or None to keep all.
 
         ``stats`` is the prefill's :class:`kvviz.capture.AttentionStats` (when the method asked for capture).
         """
         return self.select(view)
 
-    def select(self, view: LayerView) -> torch.Tensor | None:
-        """During decoding: indices [B, H_kv, n] (ascending) of entries to keep, or None to keep all."""
+    def select(self, view: LayerView) -> torch.Tensor | KeptRanges | None:
+        """During decoding: indices [B, H_kv, n] (ascending) of entries to keep, or :class:`KeptRanges` when every
+        head keeps the same ranges (cheaper to apply), or None to keep all."""
         return None
 
     def budget_for(self, prompt_length: int) -> int | None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch
-
 from kvviz.methods.base import Budget, EvictionMethod, LayerView, MethodStack, Param, SpecError, register
 from kvviz.methods.window import sinks_and_recent
+from kvviz.storage import KeptRanges
 
 
 @register
@@ -26,7 +25,7 @@ class StreamingLLM(EvictionMethod):
             raise SpecError(f"{self.spec()} re-rotates stored keys, which a quantized cache cannot do exactly; "
                             "use rerotate=0 with quantization")
 
-    def select(self, view: LayerView) -> torch.Tensor | None:
+    def select(self, view: LayerView) -> KeptRanges | None:
         return sinks_and_recent(view, self.sinks, self.window.tokens(view.prompt_length))
 
     def budget_for(self, prompt_length: int) -> int:

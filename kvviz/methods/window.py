@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register
+from kvviz.storage import KeptRanges
 
 
-def sinks_and_recent(view: LayerView, sinks: int, recent: int) -> torch.Tensor | None:
-    """Cache indices [B, H_kv, n] of the first ``sinks`` and the last ``recent`` entries, or None to keep all.
+def sinks_and_recent(view: LayerView, sinks: int, recent: int) -> KeptRanges | None:
+    """The first ``sinks`` and the last ``recent`` cache entries, or None to keep all.
 
     Entries sit in cache order (ascending position) and positional policies never evict a sink, so cache index i <
     sinks is token i.
@@ -16,9 +15,8 @@ def sinks_and_recent(view: LayerView, sinks: int, recent: int) -> torch.Tensor |
     batch, heads, length = view.positions.shape
     if sinks + recent >= length:
         return None
-    device = view.positions.device
-    index = torch.cat([torch.arange(sinks, device=device), torch.arange(length - recent, length, device=device)])
-    return index.expand(batch, heads, index.numel())
+    spans = ((0, sinks), (length - recent, length)) if sinks else ((length - recent, length),)
+    return KeptRanges(spans, batch, heads, view.positions.device)
 
 
 @register
@@ -27,7 +25,7 @@ class Window(EvictionMethod):
     summary = "Keep only the most recent tokens (no sinks): the failure case StreamingLLM explains."
     params = (Param("window", Budget, 512, "recent tokens kept: a count, or a ratio of the prompt"),)
 
-    def select(self, view: LayerView) -> torch.Tensor | None:
+    def select(self, view: LayerView) -> KeptRanges | None:
         return sinks_and_recent(view, 0, self.window.tokens(view.prompt_length))
 
     def budget_for(self, prompt_length: int) -> int:

@@ -124,3 +124,19 @@ def test_streaming_llm_finding_on_hamlet(real_model):
     assert 15 < full.ppl < 26
     assert window.ppl > 500 and window.ppl > 20 * sinks.ppl  # window-only falls apart
     assert sinks.ppl < 1.6 * full.ppl  # sinks + window stay close to full
+
+
+def test_rotating_keys_by_a_delta_matches_the_model_rotating_them_there(tiny_model):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from kvviz.cache import rope_rotator
+
+    rotary = tiny_model.model.model.rotary_emb
+    keys = torch.randn(1, 2, 5, tiny_model.model.config.head_dim)
+    start, moved = torch.tensor([[3, 9, 20, 21, 40]]), torch.tensor([[1, 2, 3, 4, 5]])
+    cos, sin = rotary(keys, start)
+    at_start, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
+    cos, sin = rotary(keys, moved)
+    at_moved, _ = apply_rotary_pos_emb(keys, keys, cos, sin)
+    delta = (moved - start).view(1, 1, 5).expand(1, 2, 5)
+    torch.testing.assert_close(rope_rotator(tiny_model.model)(at_start, delta), at_moved, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,45 @@
+"""Dense storage: appends joined lazily, evictions fused with them, and in-place key writes that never touch a
+tensor the storage did not make."""
+
+import torch
+
+from kvviz.storage import DenseStorage, KeptRanges, gather_tokens, take_ranges
+
+
+def _entries(length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    keys = torch.arange(start, start + length, dtype=torch.float32).view(1, 1, length, 1).expand(1, 3, length, 4)
+    return keys.contiguous(), (keys + 0.5).contiguous()
+
+
+def test_kept_ranges_name_the_same_entries_as_their_index_and_their_gaps():
+    kept = KeptRanges(((0, 4), (7, 10)), batch=1, heads=3)
+    assert kept.count == 7 and kept.index().tolist() == [[[0, 1, 2, 3, 7, 8, 9]] * 3]
+    assert kept.dropped(12) == ((4, 7), (10, 12)) and KeptRanges(((2, 5),), 1, 1).dropped(5) == ((0, 2),)
+    assert torch.equal(take_ranges(torch.arange(12).view(1, 1, 12), kept.spans, -1), kept.index()[:, :1])
+
+
+def test_keep_after_append_equals_gathering_the_joined_entries():
+    sinks_and_window = KeptRanges(((0, 2), (5, 11)), batch=1, heads=3)  # spans the stored and the appended entries
+    for kept in (sinks_and_window, torch.tensor([[[0, 3, 9, 10], [1, 2, 4, 10], [0, 5, 6, 7]]])):
+        storage = DenseStorage()
+        storage.append(*_entries(8))
+        storage.append(*_entries(3, start=8))
+        joined = torch.cat([_entries(8)[0], _entries(3, start=8)[0]], dim=2)
+        assert len(storage) == 11 and storage.nbytes().total == 2 * joined.numel() * 4
+        index = kept.index() if isinstance(kept, KeptRanges) else kept
+        storage.keep_ranges(kept) if isinstance(kept, KeptRanges) else storage.keep(kept)
+        keys, values = storage.materialize()
+        assert torch.equal(keys, gather_tokens(joined, index))
+        assert torch.equal(values, keys + 0.5)
+        assert len(storage) == index.shape[-1]
+
+
+def test_write_keys_copies_a_tensor_it_does_not_own_and_writes_its_own_in_place():
+    shared_keys, shared_values = _entries(6)
+    storage = DenseStorage()
+    storage.append(shared_keys, shared_values)  # e.g. the prefill cache's tensors, forked by several methods
+    storage.write_keys(torch.tensor([0]), torch.full((1, 3, 1, 4), -1.0))
+    assert shared_keys[0, 0, 0, 0] == 0 and storage.materialize()[0][0, 0, 0, 0] == -1
+    own = storage.materialize()[0]
+    storage.write_keys(torch.tensor([1]), torch.full((1, 3, 1, 4), -2.0))
+    assert own[0, 0, 1, 0] == -2 and storage.materialize()[0] is own
