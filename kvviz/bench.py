@@ -29,10 +29,10 @@ import torch
 from kvviz.cache import KVCache
 from kvviz.capture import CaptureConfig
 from kvviz.memory import model_card
-from kvviz.methods import REGISTRY, MethodStack, parse_spec
+from kvviz.methods import REGISTRY, parse_spec
 from kvviz.models import LoadedModel, resolve_device, resolve_dtype
 from kvviz.replay import decode
-from kvviz.session import PromptSession, stats_needed
+from kvviz.session import PromptSession, capture_for
 
 Log = Callable[[str], None]
 
@@ -324,13 +324,6 @@ def comparison_specs(budget: int, prompt: int, count: int = 5) -> list[str]:
     return specs
 
 
-def shared_capture(stacks: list[MethodStack]) -> CaptureConfig | None:
-    """One capture that serves every method of a comparison (so the prompt is run once)."""
-    needed, windows = stats_needed(stacks)
-    inputs = any(getattr(s.eviction, "prefill_layer_inputs", False) for s in stacks if s.eviction is not None)
-    return CaptureConfig(windows=windows, layer_inputs=inputs) if needed else None
-
-
 def _decode_step(session: PromptSession, spec: str, steps: int) -> tuple[float, KVCache]:
     """Median seconds per decode step of ``spec`` after the session's prompt (teacher-forced, so every method does
     the same number of steps). The median of per-step times shrugs off the odd step a busy machine slows down."""
@@ -368,7 +361,7 @@ def section_shared_prefill(loaded: LoadedModel, sizes: Sizes, log: Log, state: d
     log("  shared prefill + forks")
     session = PromptSession(loaded, ids)
     started = time.perf_counter()
-    prefill = session.prefill(shared_capture(stacks))
+    prefill = session.prefill(capture_for(stacks))
     shared_results = [session.run(stack, sizes.compare_tokens)[0] for stack in stacks]
     _sync(loaded.device)
     shared = time.perf_counter() - started
@@ -517,7 +510,7 @@ def section_decode_large_cache(loaded: LoadedModel, sizes: Sizes, log: Log, stat
         return section
     session = PromptSession(loaded, prompt_tokens(loaded, n))
     log(f"  prefill {n} tokens")
-    session.prefill(shared_capture([parse_spec(s) for s in specs]))
+    session.prefill(capture_for([parse_spec(s) for s in specs]))
     full, _ = _decode_step(session, "full", sizes.decode_steps)
     state["decode_session"] = (session, full)
     section.add("prompt_tokens", n)
@@ -603,7 +596,7 @@ def section_peer_kvpress(loaded: LoadedModel, sizes: Sizes, log: Log, state: dic
 
         def ours(stack=stack) -> int:
             session = PromptSession(loaded, ids)
-            session.prefill(shared_capture([stack]))
+            session.prefill(capture_for([stack]))
             return len(session.fork(stack, ledger=False).layers[0].storage)
 
         def theirs(press=press) -> int:

@@ -33,6 +33,12 @@ class AttentionListener(Protocol):
     def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None: ...
 
 
+def rows_wanted(listener: AttentionListener, layer_idx: int, query_total: int) -> int:
+    """How many of the last queries a listener needs (``query_rows``, when it declares one), else all of them."""
+    query_rows = getattr(listener, "query_rows", None)
+    return query_total if query_rows is None else min(query_total, query_rows(layer_idx, query_total))
+
+
 _listeners: contextvars.ContextVar[tuple[AttentionListener, ...]] = contextvars.ContextVar(
     "kvviz_attention_listeners", default=()
 )
@@ -62,12 +68,14 @@ def _explicit_attention(
     attention_mask: torch.Tensor | None,
     scaling: float,
     listeners: list[AttentionListener],
+    first_query: int = 0,
 ) -> torch.Tensor:
     """Softmax attention in query blocks; GQA handled by grouping query heads over their shared KV head.
 
     kvviz caches are append-only, so a query never attends to keys stored after it: each block computes only the
     keys its last query can see (causal work, as SDPA does). Listeners that set ``partial_keys`` receive that
-    narrower block; the others get it zero-padded to every key.
+    narrower block; the others get it zero-padded to every key. Only queries from ``first_query`` on are computed
+    (the output rows before it are left unset).
     """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -80,7 +88,7 @@ def _explicit_attention(
     causal_offset = k_len - q_len  # query i sees keys up to causal_offset + i
     output = torch.empty(pairs, group, q_len, head_dim, dtype=query.dtype, device=query.device)
     padded: torch.Tensor | None = None
-    for start in range(0, q_len, block):
+    for start in range(first_query, q_len, block):
         stop = min(q_len, start + block)
         rows, width = stop - start, min(k_len, causal_offset + stop)
         block_query = grouped[:, :, start:stop].reshape(pairs, group * rows, head_dim)
@@ -110,6 +118,12 @@ def _explicit_attention(
     return output.view(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
 
 
+def _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
 def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The registered attention function: SDPA when nobody listens, explicit blocks otherwise.
 
@@ -118,14 +132,18 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     layer_idx = getattr(module, "layer_idx", 0)
     listeners = [listener for listener in _listeners.get() if listener.wants(layer_idx)]
     if not listeners:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
+        return _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return _explicit_attention(module, query, key, value, attention_mask, scaling, listeners), None
+    q_len = query.shape[2]
+    rows = max(rows_wanted(listener, layer_idx, q_len) for listener in listeners)
+    if rows == q_len:
+        return _explicit_attention(module, query, key, value, attention_mask, scaling, listeners), None
+    # listeners want only the last queries (an observation window): SDPA for the output, explicit rows for them
+    output, _ = _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    if rows:
+        _explicit_attention(module, query, key, value, attention_mask, scaling, listeners, first_query=q_len - rows)
+    return output, None
 
 
 def install_attention(model: torch.nn.Module) -> None:
@@ -153,6 +171,13 @@ class CaptureConfig:
     windows: tuple[int, ...] = ()
     layers: tuple[int, ...] | None = None  # None: every layer
     layer_inputs: bool = False  # keep each attention module's input (kvpress scorers recompute queries from it)
+    all_queries: bool = True  # sink mass and attention received per key over every query; False: windows only,
+    # so attention runs SDPA for all but the last max(windows) queries (what SnapKV-style selection needs)
+
+    @property
+    def window_rows(self) -> int:
+        """Trailing queries the capture reads: all of them, or just the longest observation window."""
+        return max(self.windows, default=0)
 
 
 @dataclass
@@ -229,17 +254,22 @@ class StatsRecorder:
     def wants(self, layer_idx: int) -> bool:
         return self.config.layers is None or layer_idx in self.config.layers
 
+    def query_rows(self, layer_idx: int, query_total: int) -> int:
+        every = self.config.all_queries or any(layer == layer_idx for layer, _ in self.config.matrices)
+        return query_total if every else self.config.window_rows
+
     def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
         probs = probs[0].detach().float().cpu()  # [H, block, K]
         heads, block, width = probs.shape
         stats = self.stats
         keys = max(width, stats.num_tokens)
-        if layer_idx not in stats.key_attention:
-            stats.key_attention[layer_idx] = torch.zeros(heads, keys)
-            stats.sink_mass[layer_idx] = torch.zeros(heads, query_total)
-        stats.key_attention[layer_idx][:, :width] += probs.sum(dim=1)
-        sinks = probs[:, :, : self.config.sink_tokens].sum(-1)
-        stats.sink_mass[layer_idx][:, query_start : query_start + block] = sinks
+        if self.config.all_queries:
+            if layer_idx not in stats.key_attention:
+                stats.key_attention[layer_idx] = torch.zeros(heads, keys)
+                stats.sink_mass[layer_idx] = torch.zeros(heads, query_total)
+            stats.key_attention[layer_idx][:, :width] += probs.sum(dim=1)
+            sinks = probs[:, :, : self.config.sink_tokens].sum(-1)
+            stats.sink_mass[layer_idx][:, query_start : query_start + block] = sinks
         for window in self.config.windows:
             first = max(query_start, query_total - window)
             if first < query_start + block:

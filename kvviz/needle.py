@@ -18,12 +18,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from kvviz.capture import CaptureConfig
 from kvviz.ledger import KEPT, EvictionLedger
 from kvviz.methods import parse_spec
 from kvviz.models import LoadedModel
 from kvviz.replay import Progress
-from kvviz.session import PromptSession, stats_needed
+from kvviz.session import PromptSession, capture_for
 
 MODES = ("query_aware", "query_agnostic")
 INSTRUCTION = ("There is a pass key hidden inside a lot of irrelevant text. Find it and remember it. "
@@ -199,8 +198,7 @@ def run_needle_grid(
     if trials < 1 or max_new_tokens < 1:
         raise ValueError("trials and max_new_tokens must be at least 1")
     stacks = [parse_spec(spec) for spec in specs]
-    needed, windows = stats_needed(stacks)
-    capture = CaptureConfig(windows=windows) if needed else None
+    capture = capture_for(stacks)
     cases = [(trial, length, depth) for trial in range(trials) for length in lengths for depth in depths]
     started = time.perf_counter()
     cells: list[NeedleCell] = []

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,12 +43,19 @@ def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     return [int(i) for i in ids]
 
 
-def stats_needed(stacks: list[MethodStack]) -> tuple[bool, tuple[int, ...]]:
-    """Whether any method reads prefill attention, and which observation windows it needs."""
+def capture_for(stacks: list[MethodStack]) -> CaptureConfig | None:
+    """The prefill capture these methods read (one capture serves them all, so the prompt runs once), or None.
+
+    Only H2O-style methods need statistics over every query; observation windows (SnapKV, TOVA) need just the last
+    queries, and kvpress scorers only each layer's input, which keeps their prefill close to a plain one.
+    """
     evictions = [s.eviction for s in stacks if s.eviction is not None]
     windows = tuple(sorted({w for e in evictions for w in e.prefill_windows}))
-    reads = any(e.uses_prefill_attention or e.prefill_layer_inputs for e in evictions)
-    return reads or bool(windows), windows
+    all_queries = any(e.uses_prefill_attention for e in evictions)
+    inputs = any(e.prefill_layer_inputs for e in evictions)
+    if not (windows or all_queries or inputs):
+        return None
+    return CaptureConfig(windows=windows, layer_inputs=inputs, all_queries=all_queries)
 
 
 @dataclass
@@ -102,9 +109,7 @@ class PromptSession:
         """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill."""
         if stack.eviction is not None:
             stack.eviction.check_context(len(self.prompt_ids))
-        needed, windows = stats_needed([stack])
-        layer_inputs = stack.eviction is not None and stack.eviction.prefill_layer_inputs
-        prefill = self.prefill(self._capture_for(needed, windows, layer_inputs))
+        prefill = self.prefill(self._with_capture(capture_for([stack])))
         book = None
         if ledger and stack.eviction is not None:
             book = EvictionLedger.empty(self.num_layers, self.card.kv_heads, len(self.prompt_ids),
@@ -116,13 +121,14 @@ class PromptSession:
         tokenizer = self.loaded.tokenizer
         return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def _capture_for(self, needed: bool, windows: tuple[int, ...], layer_inputs: bool = False) -> CaptureConfig | None:
-        if not needed:
-            return self._capture
-        current = self._capture or CaptureConfig()
-        merged = tuple(sorted(set(current.windows) | set(windows)))
-        return CaptureConfig(current.sink_tokens, current.matrices, current.matrix_size, merged, None,
-                             current.layer_inputs or layer_inputs)
+    def _with_capture(self, wanted: CaptureConfig | None) -> CaptureConfig | None:
+        """The capture already made, widened to also cover ``wanted`` (so a covered fork reuses the prefill)."""
+        current = self._capture
+        if wanted is None or current is None:
+            return current or wanted
+        return replace(current, windows=tuple(sorted(set(current.windows) | set(wanted.windows))), layers=None,
+                       layer_inputs=current.layer_inputs or wanted.layer_inputs,
+                       all_queries=current.all_queries or wanted.all_queries)
 
     def run(self, spec: str | MethodStack, max_new_tokens: int, sampling: Sampling | None = None,
             forced_tokens: list[int] | None = None, keep_logprobs: bool = False,
@@ -164,7 +170,7 @@ def _covers(have: CaptureConfig | None, want: CaptureConfig | None) -> bool:
         return False
     return (set(want.windows) <= set(have.windows) and set(want.matrices) <= set(have.matrices)
             and want.sink_tokens == have.sink_tokens and want.matrix_size == have.matrix_size
-            and have.layer_inputs >= want.layer_inputs)
+            and have.layer_inputs >= want.layer_inputs and have.all_queries >= want.all_queries)
 
 
 def compare(
@@ -188,10 +194,7 @@ def compare(
     stacks.sort(key=lambda s: s.label != "full")
     with loaded.lock:
         session = PromptSession(loaded, prompt_ids)
-        needed, windows = stats_needed(stacks)
-        # one capture serves every method, so forking never needs a second prefill
-        inputs = any(s.eviction is not None and s.eviction.prefill_layer_inputs for s in stacks)
-        prefill = session.prefill(CaptureConfig(windows=windows, layer_inputs=inputs) if needed else None)
+        prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
         results: list[MethodResult] = []
         reference: MethodResult | None = None
         reference_logprobs: list[torch.Tensor] = []

@@ -9,7 +9,7 @@ from kvviz import bench, capture
 from kvviz.capture import CaptureConfig, StatsRecorder, listening
 from kvviz.cli import main
 from kvviz.methods import parse_spec
-from kvviz.session import PromptSession
+from kvviz.session import PromptSession, capture_for
 
 
 def test_quick_bench_reports_every_section(real_model):
@@ -57,7 +57,7 @@ def test_forked_comparison_gives_the_same_tokens_as_independent_runs(tiny_model,
         specs.append("kivi:bits=2,group=8,residual=8")
     stacks = [parse_spec(s) for s in specs]
     shared = PromptSession(tiny_model, ids)
-    shared.prefill(bench.shared_capture(stacks))
+    shared.prefill(capture_for(stacks))
     for spec, stack in zip(specs, stacks, strict=True):
         forked, _ = shared.run(stack, 8)
         alone, _ = PromptSession(tiny_model, ids).run(spec, 8)

@@ -67,6 +67,33 @@ def test_window_attention_sums_the_last_queries(tiny_model, story_ids):
     torch.testing.assert_close(stats.window_attention[8][0][1], expected, atol=1e-5, rtol=1e-5)
 
 
+def test_window_only_capture_computes_just_the_window_rows_and_matches_the_full_capture(tiny_model, story_ids,
+                                                                                       monkeypatch):
+    from kvviz import capture
+
+    n, computed = 96, []
+    explicit = capture._explicit_attention
+
+    def counting(*args, first_query=0, **kwargs):
+        computed.append(args[1].shape[2] - first_query)
+        return explicit(*args, first_query=first_query, **kwargs)
+
+    full = StatsRecorder(CaptureConfig(windows=(4, 16)), n)
+    with listening(full):
+        _forward(tiny_model.model, story_ids[:n])
+    monkeypatch.setattr(capture, "_explicit_attention", counting)
+    windows_only = StatsRecorder(CaptureConfig(windows=(4, 16), all_queries=False), n)
+    with listening(windows_only):
+        logits = _forward(tiny_model.model, story_ids[:n])
+    assert computed == [16, 16]  # per layer: the longest window's queries, not all 96
+    torch.testing.assert_close(logits, _forward(tiny_model.model, story_ids[:n]))
+    ours, reference = windows_only.finish(), full.finish()
+    assert not ours.key_attention and not ours.sink_mass
+    for window in (4, 16):
+        for layer in (0, 1):
+            torch.testing.assert_close(ours.window_attention[window][layer], reference.window_attention[window][layer])
+
+
 def test_sink_mass_is_strong_on_the_real_model(real_model, story_ids):
     recorder = StatsRecorder(CaptureConfig(sink_tokens=1), len(story_ids))
     with listening(recorder):
@@ -74,3 +101,18 @@ def test_sink_mass_is_strong_on_the_real_model(real_model, story_ids):
     per_layer = recorder.finish().sink_mass_per_layer()
     assert len(per_layer) == 30
     assert max(per_layer[12:]) > 0.3, "deep layers of SmolLM2 put much of their attention on token 0"
+
+
+def test_each_method_asks_for_only_the_capture_it_reads():
+    from kvviz.methods import parse_spec
+    from kvviz.session import capture_for
+
+    def wanted(*specs):
+        return capture_for([parse_spec(s) for s in specs])
+
+    assert wanted("full", "streaming_llm", "kivi") is None
+    snapkv = wanted("snapkv:window=32", "tova")
+    assert snapkv.windows == (1, 32) and not snapkv.all_queries and not snapkv.layer_inputs
+    assert wanted("snapkv", "h2o").all_queries  # H2O reads attention received from every query
+    press = wanted("kvpress:press=knorm")
+    assert press.layer_inputs and not press.all_queries and press.windows == ()
