@@ -100,9 +100,11 @@ def _explicit_attention(
                 grid.masked_fill_(~mask, float("-inf"))
             else:
                 grid.add_(mask.float())
-        elif rows > 1:
-            seen = torch.arange(start, stop, device=query.device).unsqueeze(1) + causal_offset
-            grid.masked_fill_(torch.arange(width, device=query.device).unsqueeze(0) > seen, float("-inf"))
+        elif rows > 1:  # only the block's last few columns can lie in a query's future
+            edge = causal_offset + start + 1
+            future = torch.arange(edge, width, device=query.device).unsqueeze(0) > (
+                torch.arange(start, stop, device=query.device).unsqueeze(1) + causal_offset)
+            grid[..., edge:].masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         mixed = torch.bmm(probs.to(value.dtype), values[:, :width])
         output[:, :, start:stop] = mixed.view(pairs, group, rows, head_dim)
