@@ -353,6 +353,9 @@ class _LayerProgress:
     def wants(self, layer_idx: int) -> bool:
         return True
 
+    def query_rows(self, layer_idx: int, query_total: int) -> int:
+        return 1  # the last query marks the layer done; asking for more would take the layer off SDPA
+
     def observe(self, layer_idx: int, probs: object, query_start: int, query_total: int) -> None:
         done = query_start + probs.shape[2]  # type: ignore[attr-defined]
         if done == query_total:
@@ -361,12 +364,13 @@ class _LayerProgress:
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def cached_attention_stats(model_name: str, prompt_ids: tuple[int, ...], layer: int, sink_tokens: int,
-                           _loaded: LoadedModel, _user: str,
+                           every_layer: bool, _loaded: LoadedModel, _user: str,
                            _progress: Callable[[float, str], None]) -> AttentionStats:
-    """Prefill statistics for every layer, plus the attention matrix of every head of ``layer``."""
+    """Sink mass for every layer, the attention matrix of every head of ``layer`` and the attention each token
+    receives in ``layer`` (in every layer with ``every_layer``: that needs explicit attention everywhere, slower)."""
     card = model_card(_loaded)
     config = CaptureConfig(sink_tokens=sink_tokens, matrices=[(layer, h) for h in range(card.q_heads)],
-                           matrix_size=MATRIX_SIZE)
+                           matrix_size=MATRIX_SIZE, received_layers=None if every_layer else (layer,))
 
     def job(report: Callable[[float, str], None]) -> AttentionStats:
         with _loaded.lock, listening(_LayerProgress(card.layers, report)):
@@ -375,11 +379,12 @@ def cached_attention_stats(model_name: str, prompt_ids: tuple[int, ...], layer: 
     return through_queue(_user, job, _progress)
 
 
-def attention_stats(loaded: LoadedModel, prompt_ids: list[int], layer: int, sink_tokens: int) -> AttentionStats:
+def attention_stats(loaded: LoadedModel, prompt_ids: list[int], layer: int, sink_tokens: int,
+                    every_layer: bool = False) -> AttentionStats:
     """Prefill statistics through the shared queue with a progress bar (instant when cached)."""
     return queued(lambda user, progress: cached_attention_stats(loaded.name, tuple(prompt_ids), layer, sink_tokens,
-                                                                loaded, user, progress),
-                  "Running the prompt…")
+                                                                every_layer, loaded, user, progress),
+                  "Summing attention over every layer…" if every_layer else "Running the prompt…")
 
 
 def budget_spec(name: str, tokens: int, **overrides: object) -> str | None:

@@ -25,7 +25,10 @@ class AttentionListener(Protocol):
     """Receives blocks of attention probabilities ``[batch, q_heads, block_queries, keys]``.
 
     A listener with ``partial_keys = True`` accepts blocks covering only the first keys (the later ones got no
-    attention from these queries), which saves padding them to full width.
+    attention from these queries), which saves padding them to full width. Optional, to keep attention on SDPA
+    where it can: ``query_rows(layer, total)``, how many of the last queries it needs (default all), and
+    ``sink_tokens_for(layer)`` with ``observe_sink_mass(layer, mass)``: each query's attention on the first k keys,
+    ``[batch, q_heads, queries]``, which SDPA computes through one extra value channel.
     """
 
     def wants(self, layer_idx: int) -> bool: ...
@@ -37,6 +40,12 @@ def rows_wanted(listener: AttentionListener, layer_idx: int, query_total: int) -
     """How many of the last queries a listener needs (``query_rows``, when it declares one), else all of them."""
     query_rows = getattr(listener, "query_rows", None)
     return query_total if query_rows is None else min(query_total, query_rows(layer_idx, query_total))
+
+
+def sinks_wanted(listener: AttentionListener, layer_idx: int) -> int:
+    """How many first keys' attention mass per query a listener wants reported (``sink_tokens_for``), else 0."""
+    sink_tokens_for = getattr(listener, "sink_tokens_for", None)
+    return 0 if sink_tokens_for is None else sink_tokens_for(layer_idx)
 
 
 _listeners: contextvars.ContextVar[tuple[AttentionListener, ...]] = contextvars.ContextVar(
@@ -126,6 +135,24 @@ def _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+def _sdpa_with_sink_mass(module, query, key, value, attention_mask, scaling, dropout, sinks: int, **kwargs):
+    """SDPA's output plus each query's attention on the first ``sinks`` keys, ``[B, H_q, q]``, in one call.
+
+    Values get an extra channel that is 1 on the first keys and 0 elsewhere, so that channel of the output is the
+    attention mass those keys receive. Queries and keys get zero channels to keep one head size (their dot
+    products do not change); padding to a multiple of 8 keeps the kernel on its fast path.
+    """
+    dim = query.shape[-1]
+    extra = 8
+    query = torch.nn.functional.pad(query, (0, extra))
+    key = torch.nn.functional.pad(key, (0, extra))
+    channel = torch.zeros(*value.shape[:-1], extra, dtype=value.dtype, device=value.device)
+    channel[:, :, :sinks, 0] = 1
+    output, _ = _sdpa(module, query, key, torch.cat([value, channel], dim=-1), attention_mask, scaling, dropout,
+                      **kwargs)  # [B, q, H, D + extra]
+    return output[..., :dim].contiguous(), output[..., dim].transpose(1, 2)
+
+
 def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """The registered attention function: SDPA when nobody listens, explicit blocks otherwise.
 
@@ -141,8 +168,17 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     rows = max(rows_wanted(listener, layer_idx, q_len) for listener in listeners)
     if rows == q_len:
         return _explicit_attention(module, query, key, value, attention_mask, scaling, listeners), None
-    # listeners want only the last queries (an observation window): SDPA for the output, explicit rows for them
-    output, _ = _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    # listeners want only the last queries (an observation window) and perhaps every query's sink mass: SDPA for
+    # the output (with a sink channel), explicit rows for the window
+    sinks = max(sinks_wanted(listener, layer_idx) for listener in listeners)
+    if sinks:
+        output, mass = _sdpa_with_sink_mass(module, query, key, value, attention_mask, scaling, dropout, sinks,
+                                            **kwargs)
+        for listener in listeners:
+            if sinks_wanted(listener, layer_idx):
+                listener.observe_sink_mass(layer_idx, mass)
+    else:
+        output, _ = _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if rows:
         _explicit_attention(module, query, key, value, attention_mask, scaling, listeners, first_query=q_len - rows)
     return output, None
@@ -175,6 +211,8 @@ class CaptureConfig:
     layer_inputs: bool = False  # keep each attention module's input (kvpress scorers recompute queries from it)
     all_queries: bool = True  # sink mass and attention received per key over every query; False: windows only,
     # so attention runs SDPA for all but the last max(windows) queries (what SnapKV-style selection needs)
+    received_layers: tuple[int, ...] | None = None  # layers whose received attention per key is summed over every
+    # query (None: all). It needs explicit attention; other layers run SDPA and get their sink mass through it.
 
     @property
     def window_rows(self) -> int:
@@ -256,22 +294,35 @@ class StatsRecorder:
     def wants(self, layer_idx: int) -> bool:
         return self.config.layers is None or layer_idx in self.config.layers
 
+    def _explicit(self, layer_idx: int) -> bool:
+        """Whether this layer needs every query's probabilities (a matrix, or received attention per key)."""
+        config = self.config
+        received = config.all_queries and (config.received_layers is None or layer_idx in config.received_layers)
+        return received or any(layer == layer_idx for layer, _ in config.matrices)
+
     def query_rows(self, layer_idx: int, query_total: int) -> int:
-        every = self.config.all_queries or any(layer == layer_idx for layer, _ in self.config.matrices)
-        return query_total if every else self.config.window_rows
+        return query_total if self._explicit(layer_idx) else self.config.window_rows
+
+    def sink_tokens_for(self, layer_idx: int) -> int:
+        return self.config.sink_tokens if self.config.all_queries and not self._explicit(layer_idx) else 0
+
+    def observe_sink_mass(self, layer_idx: int, mass: torch.Tensor) -> None:
+        self.stats.sink_mass[layer_idx] = mass[0].detach().float().cpu()
 
     def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
         probs = probs[0].detach().float().cpu()  # [H, block, K]
         heads, block, width = probs.shape
         stats = self.stats
         keys = max(width, stats.num_tokens)
-        if self.config.all_queries:
-            if layer_idx not in stats.key_attention:
-                stats.key_attention[layer_idx] = torch.zeros(heads, keys)
+        if self.config.all_queries:  # rows may be all queries, or just a window's when SDPA gave the sink mass
+            if layer_idx not in stats.sink_mass:
                 stats.sink_mass[layer_idx] = torch.zeros(heads, query_total)
-            stats.key_attention[layer_idx][:, :width] += probs.sum(dim=1)
             sinks = probs[:, :, : self.config.sink_tokens].sum(-1)
             stats.sink_mass[layer_idx][:, query_start : query_start + block] = sinks
+            if self._explicit(layer_idx):
+                if layer_idx not in stats.key_attention:
+                    stats.key_attention[layer_idx] = torch.zeros(heads, keys)
+                stats.key_attention[layer_idx][:, :width] += probs.sum(dim=1)
         for window in self.config.windows:
             first = max(query_start, query_total - window)
             if first < query_start + block:

@@ -126,9 +126,11 @@ class PromptSession:
         current = self._capture
         if wanted is None or current is None:
             return current or wanted
+        received = [c.received_layers for c in (current, wanted) if c.all_queries]
         return replace(current, windows=tuple(sorted(set(current.windows) | set(wanted.windows))), layers=None,
                        layer_inputs=current.layer_inputs or wanted.layer_inputs,
-                       all_queries=current.all_queries or wanted.all_queries)
+                       all_queries=current.all_queries or wanted.all_queries,
+                       received_layers=None if None in received else tuple(sorted({i for r in received for i in r})))
 
     def run(self, spec: str | MethodStack, max_new_tokens: int, sampling: Sampling | None = None,
             forced_tokens: list[int] | None = None, keep_logprobs: bool = False,
@@ -170,7 +172,9 @@ def _covers(have: CaptureConfig | None, want: CaptureConfig | None) -> bool:
         return False
     return (set(want.windows) <= set(have.windows) and set(want.matrices) <= set(have.matrices)
             and want.sink_tokens == have.sink_tokens and want.matrix_size == have.matrix_size
-            and have.layer_inputs >= want.layer_inputs and have.all_queries >= want.all_queries)
+            and have.layer_inputs >= want.layer_inputs and have.all_queries >= want.all_queries
+            and (not want.all_queries or have.received_layers is None
+                 or (want.received_layers is not None and set(want.received_layers) <= set(have.received_layers))))
 
 
 def compare(

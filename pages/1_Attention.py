@@ -63,13 +63,15 @@ st.plotly_chart(plots.attention_heatmap(stats.matrices[(layer, head)], len(ids),
 
 st.subheader("Heavy hitters")
 scope = st.radio("Score", ["this layer", "mean over all layers"], horizontal=True, key="scope",
-                 help="Attention each token receives per query that can see it, summed over heads.")
+                 help="Attention each token receives per query that can see it, summed over heads. The mean over "
+                      "all layers runs the prompt again with explicit attention in every layer (slower).")
 hide_sinks = st.checkbox(f"Leave the first {sinks} tokens out of the colour scale", True, key="hide_sinks")
 if scope == "this layer":
     scores = plots.received_attention(stats.key_attention[layer], int(sinks) if hide_sinks else 0)
 else:
-    scores = sum(plots.received_attention(stats.key_attention[k], int(sinks) if hide_sinks else 0)
-                 for k in stats.key_attention) / len(stats.key_attention)
+    every = attention_stats(loaded, ids, layer, int(sinks), every_layer=True)
+    scores = sum(plots.received_attention(every.key_attention[k], int(sinks) if hide_sinks else 0)
+                 for k in every.key_attention) / len(every.key_attention)
 tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)
 st.html(plots.token_shading_html(tokens, scores))
 st.caption("Darker tokens receive more attention; hover a token for its position and score.")

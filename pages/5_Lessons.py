@@ -164,7 +164,7 @@ first four tokens (the sinks) are left out of the colour scale so the heavy hitt
     if live("Find the heavy hitters"):
         ids = encode(loaded, STORY, chat=False)
         if ids is not None:
-            stats = attention_stats(loaded, ids, card.layers // 2, 4)
+            stats = attention_stats(loaded, ids, card.layers // 2, 4, every_layer=True)
             scores = sum(plots.received_attention(stats.key_attention[k], 4) for k in stats.key_attention)
             st.html(plots.token_shading_html(token_texts(loaded.name, tuple(ids), loaded.tokenizer), scores))
             ranked = sorted(range(4, len(ids)), key=lambda i: -scores[i])[:8]

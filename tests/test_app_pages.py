@@ -33,6 +33,10 @@ def test_attention_page_shows_sinks_heatmaps_and_shading(monkeypatch):
     assert len(app.get("plotly_chart")) == 3  # sink mass, heatmap, head gallery
     assert any("Layer 5, head 2" in s.value for s in app.subheader)
     assert app.slider(key="layer").value == 5
+    shading = [h.proto.body for h in app.get("html")]
+    app.radio(key="scope").set_value("mean over all layers").run()  # a second capture: every layer explicit
+    assert not app.exception and not app.error
+    assert [h.proto.body for h in app.get("html")] != shading
 
     app.text_area(key="attention_text").set_value("   ").run()
     assert "the prompt is empty" in " ".join(texts(app.error))

@@ -102,3 +102,10 @@ def test_blockwise_capture_matches_one_block(tiny_model, story_ids, monkeypatch)
     torch.testing.assert_close(blocked.matrices[(1, 3)], whole.matrices[(1, 3)], atol=1e-5, rtol=1e-5)
     assert wide.widths == {n}, "listeners without partial_keys get zero-padded full-width blocks"
     torch.testing.assert_close(torch.cat([s.flatten() for s in wide.row_sums]), torch.ones(4 * n))
+
+
+def test_peak_memory_sees_a_transient_allocation_on_cpu():
+    with bench.PeakMemory("cpu") as peak:
+        block = torch.ones(50_000_000)  # 200 MB, freed before the block ends
+        del block
+    assert 150e6 < peak.peak < 400e6

@@ -1,5 +1,6 @@
 """The registered attention function: same outputs as SDPA, statistics in O(layers * heads * N)."""
 
+import pytest
 import torch
 
 from kvviz.capture import CaptureConfig, StatsRecorder, listening
@@ -116,3 +117,32 @@ def test_each_method_asks_for_only_the_capture_it_reads():
     assert wanted("snapkv", "h2o").all_queries  # H2O reads attention received from every query
     press = wanted("kvpress:press=knorm")
     assert press.layer_inputs and not press.all_queries and press.windows == ()
+
+
+def test_layers_without_received_attention_run_sdpa_and_still_report_exact_sink_mass(tiny_model, story_ids,
+                                                                                     monkeypatch):
+    from kvviz import capture
+
+    n, explicit_layers = 80, []
+    explicit = capture._explicit_attention
+
+    def counting(module, *args, first_query=0, **kwargs):
+        if first_query == 0:
+            explicit_layers.append(module.layer_idx)
+        return explicit(module, *args, first_query=first_query, **kwargs)
+
+    every = StatsRecorder(CaptureConfig(sink_tokens=3), n)
+    with listening(every):
+        _forward(tiny_model.model, story_ids[:n])
+    monkeypatch.setattr(capture, "_explicit_attention", counting)
+    one_layer = StatsRecorder(CaptureConfig(sink_tokens=3, received_layers=(1,)), n)
+    with listening(one_layer):
+        logits = _forward(tiny_model.model, story_ids[:n])
+    assert explicit_layers == [1]
+    torch.testing.assert_close(logits, _forward(tiny_model.model, story_ids[:n]), atol=1e-5, rtol=1e-5)
+    ours, reference = one_layer.finish(), every.finish()
+    assert set(ours.key_attention) == {1}
+    torch.testing.assert_close(ours.key_attention[1], reference.key_attention[1])
+    for layer in (0, 1):
+        torch.testing.assert_close(ours.sink_mass[layer], reference.sink_mass[layer], atol=1e-5, rtol=1e-5)
+    assert ours.sink_mass_per_layer() == pytest.approx(reference.sink_mass_per_layer(), abs=1e-5)
