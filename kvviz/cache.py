@@ -119,10 +119,9 @@ class KVLayer(CacheLayerMixin):
         """
         batch, heads, length = self.rotary.shape
         # re-rotating methods keep the same entries in every head (see EvictionMethod): one row serves them all
-        plan = self.owner.rerotation(self.rotary[0, 0], end, self.storage.materialize()[0].dtype)
-        if plan is not None:
-            keys, _ = self.storage.materialize()
-            # typically only the sinks move: rotate those few entries where they are
+        keys, _ = self.storage.materialize()
+        plan = self.owner.rerotation(self.rotary[0, 0], end, keys.dtype)
+        if plan is not None:  # typically only the sinks move: rotate those few entries where they are
             self.storage.write_keys(plan.changed, self.owner.rotate_keys.apply(keys[:, :, plan.changed], plan.cos,
                                                                                plan.sin))
         self.rotary = torch.arange(end - length, end, device=self.rotary.device).expand(batch, heads, length)

@@ -307,7 +307,8 @@ class StatsRecorder:
         return self.config.sink_tokens if self.config.all_queries and not self._explicit(layer_idx) else 0
 
     def observe_sink_mass(self, layer_idx: int, mass: torch.Tensor) -> None:
-        self.stats.sink_mass[layer_idx] = mass[0].detach().float().cpu()
+        # a compact copy: ``mass`` is a strided view into the layer's whole attention output
+        self.stats.sink_mass[layer_idx] = mass[0].detach().float().cpu().clone(memory_format=torch.contiguous_format)
 
     def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
         probs = probs[0].detach().float().cpu()  # [H, block, K]

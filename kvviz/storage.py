@@ -57,10 +57,6 @@ class KeptRanges:
     heads: int
     device: torch.device | str = "cpu"
 
-    @property
-    def count(self) -> int:
-        return sum(end - start for start, end in self.spans)
-
     def index(self) -> torch.Tensor:
         """The same choice as an index [B, H, n], for storages and code that gather."""
         kept = torch.cat([torch.arange(start, end, device=self.device) for start, end in self.spans])

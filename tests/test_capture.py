@@ -146,3 +146,5 @@ def test_layers_without_received_attention_run_sdpa_and_still_report_exact_sink_
     for layer in (0, 1):
         torch.testing.assert_close(ours.sink_mass[layer], reference.sink_mass[layer], atol=1e-5, rtol=1e-5)
     assert ours.sink_mass_per_layer() == pytest.approx(reference.sink_mass_per_layer(), abs=1e-5)
+    held = ours.sink_mass[0]
+    assert held.untyped_storage().nbytes() == held.numel() * 4, "must not keep the layer's attention output alive"
