@@ -181,12 +181,6 @@ def _timed(device: str, work: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - started, result
 
 
-def _best(device: str, repeats: int, work: Callable[[], object]) -> tuple[float, object]:
-    """Best of ``repeats`` timings: on a shared machine the minimum is the least disturbed run."""
-    runs = [_timed(device, work) for _ in range(max(1, repeats))]
-    return min(r[0] for r in runs), runs[-1][1]
-
-
 class PeakMemory:
     """Peak extra memory during a block: CUDA's allocator statistics; on Linux the kernel's peak-RSS counter
     (reset on entry, so nothing runs beside the work); elsewhere RSS sampled every few ms by a thread."""
@@ -561,9 +555,9 @@ def section_bookkeeping(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict
         return statistics.median(seconds)
 
     evicting = budget_spec("streaming_llm", n - 4, n) or budget_spec("window", n - 4, n)
-    rerotating = evicting + ",rerotate=1" if evicting and "streaming" in evicting else None
+    rerotating = None
     if evicting and "streaming" in evicting:
-        evicting += ",rerotate=0"
+        evicting, rerotating = evicting + ",rerotate=0", evicting + ",rerotate=1"
     runs: dict[str, list[float]] = {"plain": [], "full": [], "evicting": [], "rerotating": []}
     for _ in range(max(3, sizes.repeats)):  # interleaved, so a slow spell of the machine hits every variant
         runs["plain"].append(plain_step())

@@ -21,8 +21,10 @@ from kvviz.storage import DenseStorage, KeptRanges, KVStorage, StorageBytes, tak
 
 @dataclass
 class Rerotation:
-    """Cache entries whose keys move (``changed``) and the cos/sin of their rotation."""
+    """The rotary positions keys end at (``target`` [T]), the entries whose keys move (``changed``) and the cos/sin
+    of their rotation."""
 
+    target: torch.Tensor
     changed: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -117,14 +119,15 @@ class KVLayer(CacheLayerMixin):
         Only distances matter to RoPE: a query at position p then sees the key i entries back at distance i, as if
         the evicted tokens had never existed.
         """
-        batch, heads, length = self.rotary.shape
         # re-rotating methods keep the same entries in every head (see EvictionMethod): one row serves them all
         keys, _ = self.storage.materialize()
         plan = self.owner.rerotation(self.rotary[0, 0], end, keys.dtype)
-        if plan is not None:  # typically only the sinks move: rotate those few entries where they are
-            self.storage.write_keys(plan.changed, self.owner.rotate_keys.apply(keys[:, :, plan.changed], plan.cos,
-                                                                               plan.sin))
-        self.rotary = torch.arange(end - length, end, device=self.rotary.device).expand(batch, heads, length)
+        if plan is None:  # every key already sits where it should
+            return
+        # typically only the sinks move: rotate those few entries where they are
+        self.storage.write_keys(plan.changed, self.owner.rotate_keys.apply(keys[:, :, plan.changed], plan.cos,
+                                                                           plan.sin))
+        self.rotary = plan.target.expand_as(self.rotary)
 
     def nbytes(self) -> StorageBytes:
         return self.storage.nbytes()
@@ -182,7 +185,7 @@ class KVCache(Cache):
         changed = (target != rotary).nonzero().flatten()
         plan = None
         if changed.numel():
-            plan = Rerotation(changed, *self.rotate_keys.angles(target[changed] - rotary[changed], dtype))
+            plan = Rerotation(target, changed, *self.rotate_keys.angles(target[changed] - rotary[changed], dtype))
         self._rerotation = ((end, dtype), rotary, plan)
         return plan
 
