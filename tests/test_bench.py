@@ -2,6 +2,10 @@
 capture gives the same statistics whatever the block size."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -43,6 +47,20 @@ def test_cli_bench_on_a_random_model_writes_json(tmp_path, capsys):
     assert sections["needle"]["skipped"].startswith("needs a real tokenizer")
     assert {f["name"] for f in sections["capture"]["figures"]} >= {"capture_vs_plain@64", "stats_growth@64->128"}
     assert "| shared_prefill |" in capsys.readouterr().out
+
+
+def test_gpu_check_dry_run_runs_the_script_on_the_cpu(tmp_path):
+    """The GPU script's own command line, checked here so a lent GPU's few minutes are not spent on a broken script."""
+    out = tmp_path / "gpu.json"
+    script = Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
+    done = subprocess.run(["bash", str(script), "--dry-run", str(out)], env={**os.environ, "PYTHON": sys.executable},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["model"] == "random:tiny" and data["preset"] == "quick" and data["machine"]["device"] == "cpu"
+    assert [s["name"] for s in data["sections"]] == list(bench.SECTIONS)
+    assert not [s["name"] for s in data["sections"] if (s["skipped"] or "").startswith("failed")]
+    assert "| capture | stats_growth@64->128 |" in done.stdout
 
 
 def test_cli_bench_refuses_unknown_sections(capsys):
