@@ -5,14 +5,14 @@ import plotly.express as px
 import streamlit as st
 
 from kvviz.memory import model_card
-from ui import device_status, model_picker
+from ui import device_status, model_picker, page_header
 
-st.set_page_config(page_title="kvviz", page_icon="🗜️", layout="wide")
-st.title("kvviz: see and measure KV-cache optimization")
-st.caption(
+page_header(
+    None,
+    "kvviz: see and measure KV-cache optimization",
     "Every generated token keeps its keys and values for every layer. kvviz runs a real model, shows which "
     "tokens attention relies on, and replays generation under eviction and quantization so you can see what "
-    "each method saves and what it silently drops."
+    "each method saves and what it silently drops.",
 )
 
 loaded = model_picker()

@@ -34,6 +34,21 @@ def cached_model(name: str, weights: str = "auto") -> LoadedModel:
     return load_model(name, device=settings().device, weights=weights)
 
 
+def page_header(tab: str | None, title: str, caption: str) -> None:
+    """Every page's browser tab ("kvviz · <tab>"), title and short explanation, set the same way."""
+    st.set_page_config(page_title=f"kvviz · {tab}" if tab else "kvviz", page_icon="🗜️", layout="wide")
+    st.title(title)
+    st.caption(caption)
+
+
+def require_model() -> LoadedModel:
+    """The sidebar's model; the page stops here (the sidebar says why) until one is loaded."""
+    loaded = model_picker()
+    if loaded is None:
+        st.stop()
+    return loaded
+
+
 def model_picker() -> LoadedModel | None:
     """Sidebar picker shared by every page; returns the loaded model or shows why it failed.
 

@@ -7,9 +7,10 @@ from kvviz.memory import model_card
 from ui import (
     attention_stats,
     encode,
-    model_picker,
+    page_header,
     prompt_input,
     query_value,
+    require_model,
     share_settings,
     token_texts,
 )
@@ -21,15 +22,12 @@ DEFAULT_PROMPT = (
     "a footpath to the market must be built first."
 )
 
-st.set_page_config(page_title="kvviz · Attention", page_icon="🗜️", layout="wide")
-st.title("Where attention goes")
-st.caption("One forward pass over the prompt with kvviz's attention capture: per layer and head, how much attention "
-           "lands on the first tokens (sinks), which tokens receive the most (heavy hitters), and what each head's "
-           "pattern looks like. Long prompts are downsampled, never refused for size.")
+page_header("Attention", "Where attention goes",
+            "One forward pass over the prompt with kvviz's attention capture: per layer and head, how much attention "
+            "lands on the first tokens (sinks), which tokens receive the most (heavy hitters), and what each head's "
+            "pattern looks like. Long prompts are downsampled, never refused for size.")
 
-loaded = model_picker()
-if loaded is None:
-    st.stop()
+loaded = require_model()
 card = model_card(loaded)
 
 with st.sidebar:

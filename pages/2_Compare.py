@@ -13,9 +13,10 @@ from ui import (
     encode,
     method_configurator,
     methods_of,
-    model_picker,
+    page_header,
     prompt_input,
     query_value,
+    require_model,
     run_comparison,
     settings,
     share_settings,
@@ -30,14 +31,11 @@ DEFAULT_PROMPT = (
     "a candle maker called Tomas.\n\nWhich hive lost its queen, and who receives the beeswax?"
 )
 
-st.set_page_config(page_title="kvviz · Compare", page_icon="🗜️", layout="wide")
-st.title("Compare cache configurations")
-st.caption("The prompt runs through the model once; each configuration then generates from its own copy of the "
-           "cache. `full` keeps everything and is the reference every other output is compared with.")
+page_header("Compare", "Compare cache configurations",
+            "The prompt runs through the model once; each configuration then generates from its own copy of the "
+            "cache. `full` keeps everything and is the reference every other output is compared with.")
 
-loaded = model_picker()
-if loaded is None:
-    st.stop()
+loaded = require_model()
 
 
 def default_specs() -> list[str]:

@@ -5,21 +5,18 @@ import json
 import streamlit as st
 
 from kvviz import plots
-from ui import budget_spec, method_configurator, model_picker, query_value, run_needle, share_settings
+from ui import budget_spec, method_configurator, page_header, query_value, require_model, run_needle, share_settings
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 DEPTHS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
 MAX_CONFIGS = 4
 
-st.set_page_config(page_title="kvviz · Needle", page_icon="🗜️", layout="wide")
-st.title("Needle in a haystack")
-st.caption("A 5-digit pass key is hidden in filler text at a chosen depth, and the model is asked for it. Each cell "
-           "is one method on one haystack; the eviction ledger tells whether the key's tokens were still cached, and "
-           "if not, when and in which layers they were dropped.")
+page_header("Needle", "Needle in a haystack",
+            "A 5-digit pass key is hidden in filler text at a chosen depth, and the model is asked for it. Each cell "
+            "is one method on one haystack; the eviction ledger tells whether the key's tokens were still cached, and "
+            "if not, when and in which layers they were dropped.")
 
-loaded = model_picker()
-if loaded is None:
-    st.stop()
+loaded = require_model()
 
 
 def url_numbers(name: str, default: list, options: list, cast: type) -> list:

@@ -6,13 +6,12 @@ import streamlit as st
 from kvviz import plots
 from kvviz.methods import SpecError
 from kvviz.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
-from ui import methods_of, query_value, share_settings
+from ui import methods_of, page_header, query_value, share_settings
 
-st.set_page_config(page_title="kvviz · Memory planner", page_icon="🗜️", layout="wide")
-st.title("Memory planner")
-st.caption("No model runs here: the numbers follow from each model's published shape. Architecture decides bytes "
-           "per token (MHA, GQA, MQA, MLA); eviction caps the tokens kept; quantization shrinks the bits per "
-           "element. The three multiply. GB = 10⁹ bytes.")
+page_header("Memory planner", "Memory planner",
+            "No model runs here: the numbers follow from each model's published shape. Architecture decides bytes "
+            "per token (MHA, GQA, MQA, MLA); eviction caps the tokens kept; quantization shrinks the bits per "
+            "element. The three multiply. GB = 10⁹ bytes.")
 
 catalog = load_catalog()
 names = list(catalog.models)

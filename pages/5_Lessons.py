@@ -10,8 +10,9 @@ from ui import (
     budget_spec,
     encode,
     methods_of,
-    model_picker,
+    page_header,
     query_value,
+    require_model,
     run_comparison,
     share_settings,
     token_texts,
@@ -29,14 +30,11 @@ NEEDLE = ("Remember this: the locker code is 7319. ", "What is the locker code? 
 FILLER = ("The hallway was painted pale green and smelled of floor polish. Students walked past the trophy case "
           "on their way to class, talking about football and the weather. ")
 
-st.set_page_config(page_title="kvviz · Lessons", page_icon="🗜️", layout="wide")
-st.title("Lessons: KV caches in five steps")
-st.caption("A walkthrough for a class. Read a step, press its button, and the real model runs on this server; "
-           "numbers and outputs are measured, not pre-recorded.")
+page_header("Lessons", "Lessons: KV caches in five steps",
+            "A walkthrough for a class. Read a step, press its button, and the real model runs on this server; "
+            "numbers and outputs are measured, not pre-recorded.")
 
-loaded = model_picker()
-if loaded is None:
-    st.stop()
+loaded = require_model()
 card = model_card(loaded)
 wanted = query_value("step", 1)
 step = st.radio("Step", STEPS, index=min(len(STEPS), max(1, wanted)) - 1, horizontal=True, key="step")
