@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import streamlit as st
 
+from kvviz import plots
 from kvviz.capture import AttentionStats, CaptureConfig, listening
 from kvviz.config import Settings
 from kvviz.diagnostics import prefill_kv, reconstruction_error
@@ -20,7 +21,7 @@ from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
 from kvviz.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.needle import NeedleReport, run_needle_grid
 from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_keep_start
-from kvviz.results import Comparison
+from kvviz.results import Comparison, MethodResult
 from kvviz.runqueue import DONE, RunQueue, Ticket
 from kvviz.session import PromptError, PromptSession, compare, encode_prompt
 
@@ -172,6 +173,18 @@ def encode(loaded: LoadedModel, text: str, chat: bool, max_new_tokens: int = 0) 
 def token_texts(model_name: str, ids: tuple[int, ...], _tokenizer, skip_special: bool = False) -> list[str]:
     """Each token decoded on its own, for text shaded token by token."""
     return [_tokenizer.decode([i], skip_special_tokens=skip_special) for i in ids]
+
+
+def method_output(loaded: LoadedModel, result: MethodResult) -> bool:
+    """One method's generated text with where it first departs from the full cache's marked in red; False (and the
+    error shown) when the method failed."""
+    st.markdown(f"**{result.method}**")
+    if result.error:
+        st.error(result.error)
+        return False
+    tokens = token_texts(loaded.name, tuple(result.token_ids), loaded.tokenizer, skip_special=True)
+    st.html(plots.divergence_html(tokens, result.first_divergence))
+    return True
 
 
 def unrecorded(callback: Callable[..., None]) -> Callable[..., None]:

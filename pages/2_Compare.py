@@ -12,6 +12,7 @@ from ui import (
     cached_reconstruction,
     encode,
     method_configurator,
+    method_output,
     methods_of,
     page_header,
     prompt_input,
@@ -97,13 +98,7 @@ st.caption("Red marks where an output first departs from the full cache's.")
 columns = st.columns(min(3, len(results)))
 for index, result in enumerate(results):
     with columns[index % len(columns)]:
-        st.markdown(f"**{result.method}**")
-        if result.error:
-            st.error(result.error)
-            continue
-        tokens = token_texts(loaded.name, tuple(result.token_ids), loaded.tokenizer, skip_special=True)
-        st.html(plots.divergence_html(tokens, result.first_divergence))
-        if result.agreement_with_full is not None:
+        if method_output(loaded, result) and result.agreement_with_full is not None:
             st.caption(f"agreement with full {result.agreement_with_full:.0%} · "
                        f"first divergence {'none' if result.first_divergence is None else result.first_divergence}")
 

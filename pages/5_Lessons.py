@@ -9,6 +9,7 @@ from ui import (
     attention_stats,
     budget_spec,
     encode,
+    method_output,
     methods_of,
     page_header,
     query_value,
@@ -55,12 +56,7 @@ def outputs(comparison) -> None:
     columns = st.columns(len(comparison.results))
     for column, result in zip(columns, comparison.results, strict=True):
         with column:
-            st.markdown(f"**{result.method}**")
-            if result.error:
-                st.error(result.error)
-                continue
-            tokens = token_texts(loaded.name, tuple(result.token_ids), loaded.tokenizer, skip_special=True)
-            st.html(plots.divergence_html(tokens, result.first_divergence))
+            method_output(loaded, result)
     st.dataframe(pd.DataFrame([{
         "method": r.method, "agreement with full": r.agreement_with_full, "first divergence": r.first_divergence,
         "KV bytes": r.kv_bytes, "compression": None if r.compression is None else round(r.compression, 2),
