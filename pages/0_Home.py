@@ -1,0 +1,70 @@
+"""Home: pick a model, read its card, see what its KV cache costs."""
+
+import pandas as pd
+import plotly.express as px
+import streamlit as st
+
+from kvviz.memory import model_card
+from ui import device_status, model_picker, page_header
+
+page_header(
+    None,
+    "kvviz: see and measure KV-cache optimization",
+    "Every generated token keeps its keys and values for every layer. kvviz runs a real model, shows which "
+    "tokens attention relies on, and replays generation under eviction and quantization so you can see what "
+    "each method saves and what it silently drops.",
+)
+
+loaded = model_picker()
+if loaded is None:
+    st.info("Choose a model in the sidebar.")
+    st.stop()
+
+card = model_card(loaded)
+left, right = st.columns([3, 2])
+with left:
+    st.subheader("Model card")
+    st.table(pd.DataFrame(
+        {
+            "value": [
+                card.architecture, card.layers, card.q_heads, card.kv_heads, card.head_dim, card.attention,
+                card.sliding_window_layers, card.context_length, card.dtype, f"{card.weight_bytes / 2**20:,.1f} MiB",
+                f"{card.kv_bytes_per_token / 2**10:,.1f} KiB",
+            ]
+        },
+        index=["architecture", "layers", "query heads", "KV heads", "head dim", "attention", "sliding-window layers",
+               "context", "dtype", "weights", "KV per token"],
+    ).astype(str))
+with right:
+    st.subheader("Device")
+    for key, value in device_status(loaded).items():
+        st.metric(key, value)
+
+st.subheader("The KV formula, live")
+col_seq, col_batch = st.columns(2)
+seq_len = col_seq.slider("Context length (tokens)", 128, max(256, card.context_length or 8192), 4096, step=128,
+                         key="seq_len")
+batch = col_batch.slider("Batch (concurrent sequences)", 1, 64, 1, key="batch")
+st.code(card.formula_text(seq_len, batch), language="text")
+kv = card.kv_bytes(seq_len, batch)
+st.metric("KV cache", f"{kv / 2**20:,.1f} MiB", delta=f"{kv / max(1, card.weight_bytes):.1%} of the weights",
+          delta_color="off")
+lengths = [2**k for k in range(7, 16) if 2**k <= max(256, card.context_length or 8192)]
+frame = pd.DataFrame({"context": lengths, "KV cache (MiB)": [card.kv_bytes(n, batch) / 2**20 for n in lengths]})
+figure = px.line(frame, x="context", y="KV cache (MiB)", markers=True, log_x=True,
+                 title=f"KV cache grows linearly with context (batch {batch})")
+figure.add_hline(y=card.weight_bytes / 2**20, line_dash="dot", annotation_text="weights")
+st.plotly_chart(figure, width="stretch")
+
+st.subheader("Explore")
+links = st.columns(5)
+for column, (page, label, text) in zip(links, [
+    ("pages/1_Attention.py", "Attention", "Sinks, heavy hitters and per-head patterns on your prompt."),
+    ("pages/2_Compare.py", "Compare", "Up to six eviction × quantization setups against the full cache."),
+    ("pages/3_Needle.py", "Needle", "Which methods still find a pass key, and where they lost it."),
+    ("pages/4_Memory_planner.py", "Memory planner", "KV gigabytes and sequences per GPU for well-known models."),
+    ("pages/5_Lessons.py", "Lessons", "A five-step walkthrough for a class, run live."),
+], strict=True):
+    with column.container(border=True):
+        st.page_link(page, label=label, icon="➡️")
+        st.caption(text)
