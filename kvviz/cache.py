@@ -193,7 +193,7 @@ class KVCache(Cache):
         """Set the positions of the tokens about to be fed; return (position_ids, cache_position) for the model."""
         self.step = step
         self.step_positions = absolute.cpu()
-        self.step_rotary = self.next_rotary_positions(absolute.cpu())
+        self.step_rotary = self.next_rotary_positions(self.step_positions)
         self.step_rotary_end = int(self.step_rotary.max()) + 1
         if self.ledger is not None:
             self.ledger.ensure(int(absolute.max()) + 1)
@@ -270,9 +270,6 @@ class KeyRotator:
     def apply(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         half = keys.shape[-1] // 2
         return keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], dim=-1) * sin
-
-    def __call__(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        return self.apply(keys, *self.angles(delta, keys.dtype))
 
 
 def rope_rotator(model: torch.nn.Module) -> KeyRotator | None:

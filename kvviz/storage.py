@@ -129,12 +129,10 @@ class DenseStorage(KVStorage):
         self.owned = True
 
     def keep_ranges(self, kept: KeptRanges) -> None:
-        self.keys, self.values = self._join(kept.spans)
-        self.pending = []
-        self.owned = True
+        self._keep_spans(kept.spans)
 
-    def _join(self, spans: tuple[tuple[int, int], ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The entries in ``spans`` (cache-index ranges over stored + pending entries), copied once."""
+    def _keep_spans(self, spans: tuple[tuple[int, int], ...]) -> None:
+        """Hold only the entries in ``spans`` (cache-index ranges over stored + pending entries), copied once."""
         key_pieces, value_pieces = [], []
         for start, end in spans:
             offset = 0
@@ -144,7 +142,9 @@ class DenseStorage(KVStorage):
                     key_pieces.append(keys[:, :, low - offset:high - offset])
                     value_pieces.append(values[:, :, low - offset:high - offset])
                 offset += keys.shape[2]
-        return torch.cat(key_pieces, dim=2), torch.cat(value_pieces, dim=2)
+        self.keys, self.values = torch.cat(key_pieces, dim=2), torch.cat(value_pieces, dim=2)
+        self.pending = []
+        self.owned = True
 
     def write_keys(self, index: torch.Tensor, keys: torch.Tensor) -> None:
         """Overwrite the keys at cache indices ``index`` (StreamingLLM's re-rotated sinks), in place when possible."""
@@ -156,9 +156,7 @@ class DenseStorage(KVStorage):
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pending:
-            self.keys, self.values = self._join(((0, len(self)),))
-            self.pending = []
-            self.owned = True
+            self._keep_spans(((0, len(self)),))
         return self.keys, self.values
 
     def __len__(self) -> int:
