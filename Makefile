@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8501
 
-.PHONY: run test bench lint install model browser clean
+.PHONY: run dev test bench lint install model browser clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ model: install
 
 run: model
 	$(PY) -m streamlit run app.py --server.port $(PORT) --server.headless true
+
+# Development: reload pages when their files change (serving, `run`, watches nothing: see .streamlit/config.toml).
+dev: model
+	$(PY) -m streamlit run app.py --server.port $(PORT) --server.headless true --server.fileWatcherType auto \
+	  --server.runOnSave true
 
 # Debian's chromium drives the browser tests; install it when it is missing (CI runs as root).
 browser:

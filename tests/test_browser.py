@@ -22,6 +22,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SPECS = ["full", "streaming_llm:sinks=2,window=16", "kivi:residual=0"]
 
 pytestmark = pytest.mark.browser
+SERVED: dict[str, int] = {}  # the server's process id, for checks on the served process itself
 
 
 def free_port() -> int:
@@ -40,11 +41,11 @@ def server(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("streamlit") / "server.log", "w")  # noqa: SIM115 - closed below
     process = subprocess.Popen(
         [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
-         "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false",
-         "--server.fileWatcherType", "none"],
+         "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
     url = f"http://127.0.0.1:{port}"
+    SERVED["pid"] = process.pid
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -90,6 +91,32 @@ def shoot(page, name: str, anchor: str | None = None) -> None:
     page.screenshot(path=str(path), full_page=True)
     if path.stat().st_size > 300_000:  # keep the repository light: fall back to the first screen
         page.screenshot(path=str(path))
+
+
+def inotify_watches(pid: int) -> int:
+    """File watches the process holds (each inotify instance lists its watches in /proc/PID/fdinfo)."""
+    watches = 0
+    for info in Path(f"/proc/{pid}/fdinfo").iterdir():
+        try:
+            watches += info.read_text().count("inotify wd:")
+        except OSError:  # the descriptor closed meanwhile
+            continue
+    return watches
+
+
+def test_served_app_watches_no_files(server):
+    """Serving (``make run``, the container) reads .streamlit/config.toml: no file watcher, even once a browser
+    session is open (Streamlit starts watching per session; watching .venv cost about one core)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
+        page = browser.new_page()
+        page.goto(f"{server}/Memory_planner")
+        settle(page)
+        assert inotify_watches(SERVED["pid"]) == 0
+        browser.close()
 
 
 def test_every_page_in_chromium(server):
