@@ -31,6 +31,6 @@ RUN python -m kvviz prepare --hub-models "$HUB_MODELS"
 ENV HF_HUB_OFFLINE=1
 
 EXPOSE 8501
-HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+HEALTHCHECK --interval=30s --timeout=5s --start-period=600s --retries=3 \
     CMD ["curl", "--fail", "--silent", "http://localhost:8501/_stcore/health"]
 ENTRYPOINT ["/app/docker/entrypoint.sh"]

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8501
 
-.PHONY: run dev test bench lint install model browser clean
+.PHONY: run dev warm test bench lint install model browser clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ run: model
 dev: model
 	$(PY) -m streamlit run app.py --server.port $(PORT) --server.headless true --server.fileWatcherType auto \
 	  --server.runOnSave true
+
+# Before a class: run every page's default and every lesson step once into the result store (then instant).
+warm: model
+	$(PY) -m kvviz_app.warm
 
 # Debian's chromium drives the browser tests; install it when it is missing (CI runs as root).
 browser:

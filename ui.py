@@ -12,21 +12,26 @@ from typing import TypeVar
 import streamlit as st
 
 from kvviz import plots
-from kvviz.capture import AttentionStats, CaptureConfig, listening
+from kvviz.capture import AttentionStats
 from kvviz.config import Settings
-from kvviz.diagnostics import prefill_kv, reconstruction_error
 from kvviz.faults import describe_error
 from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
 from kvviz.models import LoadedModel, ModelError, is_hub_id, load_model
-from kvviz.needle import NeedleReport, run_needle_grid
+from kvviz.needle import NeedleReport
 from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_keep_start
 from kvviz.results import Comparison, MethodResult
 from kvviz.runqueue import DONE, RunQueue, Ticket
-from kvviz.session import PromptError, PromptSession, compare, encode_prompt
+from kvviz.runs import (
+    AttentionRequest,
+    CompareRequest,
+    NeedleRequest,
+    ResultStore,
+    RunRequest,
+)
+from kvviz.session import PromptError, encode_prompt
 
 T = TypeVar("T")
-MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
@@ -286,20 +291,36 @@ def queued(compute: Callable[[str, Callable[[float, str], None]], T], start_text
     return result
 
 
-@st.cache_data(show_spinner=False, max_entries=32)
-def cached_comparison(model_name: str, prompt_ids: tuple[int, ...], specs: tuple[str, ...], max_new_tokens: int,
-                      _loaded: LoadedModel, _user: str, _progress: Callable[[float, str], None]) -> Comparison:
-    """compare() keyed by its inputs; the model, the user and the progress callback are not part of the key."""
-    return through_queue(_user, lambda report: compare(_loaded, list(prompt_ids), list(specs), max_new_tokens,
-                                                       progress=report), _progress)
+@st.cache_resource(show_spinner=False)
+def result_store() -> ResultStore:
+    """Results on disk, shared with the class warm-up (``make warm``) and later server processes."""
+    return ResultStore.default()
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def cached_run(key: str, _loaded: LoadedModel, _request: RunRequest, _user: str,
+               _progress: Callable[[float, str], None]) -> object:
+    """A request's result: from this server's memory, else from the result store, else run through the shared
+    queue and stored. ``key`` (the request with its model) is the memory cache's key."""
+    store = result_store()
+    found = store.load(_loaded, _request)
+    if found is not None:
+        return found
+    # looked up again when its turn comes: another user's identical run (a lesson step) may have stored it by then
+    return through_queue(_user, lambda report: store.fetch(_loaded, _request, report), _progress)
+
+
+def run_request(loaded: LoadedModel, request: RunRequest, start_text: str, request_key: str | None = None) -> object:
+    """A request through the store and the shared queue, with a progress bar and a Cancel button."""
+    return queued(lambda user, progress: cached_run(f"{loaded.name}:{request!r}", loaded, request, user, progress),
+                  start_text, request_key)
 
 
 def run_comparison(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int,
                    request_key: str | None = None) -> Comparison:
     """A comparison through the shared queue with a live progress bar (instant when the same inputs ran before)."""
-    return queued(lambda user, progress: cached_comparison(loaded.name, tuple(prompt_ids), tuple(specs),
-                                                           max_new_tokens, loaded, user, progress),
-                  "Starting…", request_key)
+    return run_request(loaded, CompareRequest(tuple(prompt_ids), tuple(specs), max_new_tokens), "Starting…",
+                       request_key)
 
 
 def methods_of(kind: str) -> list[str]:
@@ -371,48 +392,11 @@ def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> s
         return None
 
 
-class _LayerProgress:
-    """An attention listener that reports how far a prefill has got, layer by layer."""
-
-    def __init__(self, layers: int, progress: Callable[[float, str], None]):
-        self.layers = layers
-        self.progress = progress
-
-    def wants(self, layer_idx: int) -> bool:
-        return True
-
-    def query_rows(self, layer_idx: int, query_total: int) -> int:
-        return 1  # the last query marks the layer done; asking for more would take the layer off SDPA
-
-    def observe(self, layer_idx: int, probs: object, query_start: int, query_total: int) -> None:
-        done = query_start + probs.shape[2]  # type: ignore[attr-defined]
-        if done == query_total:
-            self.progress((layer_idx + 1) / self.layers, f"layer {layer_idx + 1} of {self.layers}")
-
-
-@st.cache_data(show_spinner=False, max_entries=16)
-def cached_attention_stats(model_name: str, prompt_ids: tuple[int, ...], layer: int, sink_tokens: int,
-                           every_layer: bool, _loaded: LoadedModel, _user: str,
-                           _progress: Callable[[float, str], None]) -> AttentionStats:
-    """Sink mass for every layer, the attention matrix of every head of ``layer`` and the attention each token
-    receives in ``layer`` (in every layer with ``every_layer``: that needs explicit attention everywhere, slower)."""
-    card = model_card(_loaded)
-    config = CaptureConfig(sink_tokens=sink_tokens, matrices=[(layer, h) for h in range(card.q_heads)],
-                           matrix_size=MATRIX_SIZE, received_layers=None if every_layer else (layer,))
-
-    def job(report: Callable[[float, str], None]) -> AttentionStats:
-        with _loaded.lock, listening(_LayerProgress(card.layers, report)):
-            return PromptSession(_loaded, list(prompt_ids)).prefill(config).stats
-
-    return through_queue(_user, job, _progress)
-
-
 def attention_stats(loaded: LoadedModel, prompt_ids: list[int], layer: int, sink_tokens: int,
                     every_layer: bool = False) -> AttentionStats:
     """Prefill statistics through the shared queue with a progress bar (instant when cached)."""
-    return queued(lambda user, progress: cached_attention_stats(loaded.name, tuple(prompt_ids), layer, sink_tokens,
-                                                                every_layer, loaded, user, progress),
-                  "Summing attention over every layer…" if every_layer else "Running the prompt…")
+    return run_request(loaded, AttentionRequest(tuple(prompt_ids), layer, sink_tokens, every_layer),
+                       "Summing attention over every layer…" if every_layer else "Running the prompt…")
 
 
 def budget_spec(name: str, tokens: int, **overrides: object) -> str | None:
@@ -432,29 +416,8 @@ def budget_spec(name: str, tokens: int, **overrides: object) -> str | None:
         return None
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
-def cached_needle(model_name: str, specs: tuple[str, ...], lengths: tuple[int, ...], depths: tuple[float, ...],
-                  trials: int, mode: str, chat: bool, max_new_tokens: int, _loaded: LoadedModel, _user: str,
-                  _progress: Callable[[float, str], None]) -> NeedleReport:
-    """The needle grid keyed by its inputs."""
-    return through_queue(_user, lambda report: run_needle_grid(
-        _loaded, list(specs), list(lengths), list(depths), trials=trials, chat=chat, mode=mode,
-        max_new_tokens=max_new_tokens, progress=report), _progress)
-
-
 def run_needle(loaded: LoadedModel, specs: list[str], lengths: list[int], depths: list[float], trials: int,
                mode: str, chat: bool, max_new_tokens: int) -> NeedleReport:
     """The needle grid through the shared queue with a progress bar (instant when the same inputs ran before)."""
-    return queued(lambda user, progress: cached_needle(loaded.name, tuple(specs), tuple(lengths), tuple(depths),
-                                                       trials, mode, chat, max_new_tokens, loaded, user, progress),
-                  "Building haystacks…", "needle_request")
-
-
-@st.cache_data(show_spinner=False, max_entries=16)
-def cached_reconstruction(model_name: str, prompt_ids: tuple[int, ...], specs: tuple[str, ...],
-                          _loaded: LoadedModel) -> dict[str, tuple[list[float], list[float]]]:
-    """Per quantization SPEC: relative key and value reconstruction error per layer on this prompt's prefill."""
-    with _loaded.lock:
-        kv = prefill_kv(PromptSession(_loaded, list(prompt_ids)))
-        errors = [reconstruction_error(kv, spec) for spec in specs]
-    return {spec: (e.key, e.value) for spec, e in zip(specs, errors, strict=True)}
+    return run_request(loaded, NeedleRequest(tuple(specs), tuple(lengths), tuple(depths), trials, mode, chat,
+                                             max_new_tokens), "Building haystacks…", "needle_request")

@@ -1,5 +1,5 @@
-"""Quantization diagnostics for the UI: what each method loses (reconstruction error), why KIVI's asymmetry helps
-(outlier key channels), and where the bytes go (codes, metadata, full-precision residual).
+"""Quantization diagnostics for the UI: what each method loses (reconstruction error) and why KIVI's asymmetry helps
+(outlier key channels). Where the bytes go is in each result's ``kv_breakdown``.
 
 Everything here works on a prompt's dense prefill K/V (:func:`prefill_kv`), so one prefill serves every method.
 """
@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from kvviz.methods import MethodStack, QuantizationMethod, SpecError, parse_spec
-from kvviz.results import MethodResult
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, H_kv, T, D]
 
@@ -90,25 +89,21 @@ def key_channel_stats(kv: Sequence[LayerKV]) -> ChannelStats:
 
 
 @dataclass
-class BytesSplit:
-    """One method's cache bytes split the way the memory bars show them, next to the full cache's."""
+class QuantizationReport:
+    """What a comparison's quantizers do to its prompt: error per method and layer, and the key channels' sizes."""
 
-    method: str
-    codes: int
-    metadata: int
-    residual: int  # entries held in the model's dtype (the whole cache for non-quantized methods)
-    full: int
-
-    @property
-    def total(self) -> int:
-        return self.codes + self.metadata + self.residual
-
-    @property
-    def ratio(self) -> float | None:
-        """How many times smaller than the full cache."""
-        return self.full / self.total if self.total else None
+    errors: dict[str, ReconstructionError]
+    key_channels: ChannelStats
 
 
-def bytes_split(result: MethodResult) -> BytesSplit:
-    held = result.kv_breakdown
-    return BytesSplit(result.method, held.codes, held.metadata, held.full_precision, result.kv_bytes_full)
+def quantization_report(kv: Sequence[LayerKV], stacks: Sequence[MethodStack]) -> QuantizationReport | None:
+    """Diagnose every stack that quantizes, on the prefill K/V already computed (no second forward); None when
+    none does. A quantizer that cannot run here (a missing backend) is left out; its replay reports why."""
+    errors = {}
+    for stack in stacks:
+        if stack.quantization is not None:
+            try:
+                errors[stack.label] = reconstruction_error(kv, stack)
+            except (ImportError, RuntimeError, SpecError):
+                continue
+    return QuantizationReport(errors, key_channel_stats(kv)) if errors else None

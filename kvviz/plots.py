@@ -242,6 +242,20 @@ def reconstruction_figure(errors: dict[str, tuple[Sequence[float], Sequence[floa
     return figure
 
 
+def key_channel_figure(absmax) -> go.Figure:
+    """Largest |key| per channel (x: KV head · channel) in every layer (y): outlier channels show as bright stripes."""
+    layers, heads, dim = absmax.shape
+    figure = go.Figure(go.Heatmap(
+        z=absmax.reshape(layers, heads * dim).tolist(), colorscale="Viridis", colorbar=dict(title="max |k|"),
+        hovertemplate="layer %{y}, channel %{x}: max |k| %{z:.2f}<extra></extra>"))
+    for head in range(1, heads):
+        figure.add_vline(x=head * dim - 0.5, line=dict(color="white", width=1))
+    figure.update_layout(title="Key magnitude per channel on this prompt (KV heads separated by white lines)",
+                         xaxis_title="KV head × channel", yaxis_title="layer", height=360,
+                         margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
 def needle_heatmaps(frame: pd.DataFrame) -> go.Figure:
     """One heatmap per method: share of trials that found the needle, depth (x) by prompt length (y)."""
     methods = list(dict.fromkeys(frame["method"]))

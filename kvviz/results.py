@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvviz.diagnostics import QuantizationReport
 from kvviz.ledger import EvictionLedger
 from kvviz.storage import StorageBytes
 
@@ -66,6 +67,7 @@ class Comparison:
     prompt_ids: list[int]
     prefill_seconds: float
     results: list[MethodResult]
+    quantization: QuantizationReport | None = None  # the quantizers' error on this prompt and key outlier channels
 
     def to_json(self, with_ledger: bool = True) -> dict:
         return {

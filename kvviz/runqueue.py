@@ -43,6 +43,9 @@ class Ticket:
     result: Any = None
     error: str | None = None
     last_seen: float = field(default_factory=time.monotonic)
+    submitted_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None  # when the worker took it (None if it never ran)
+    finished_at: float | None = None
     done: threading.Event = field(default_factory=threading.Event, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
 
@@ -65,8 +68,10 @@ class Ticket:
 class RunQueue:
     """Round-robin queue with one worker; ``abandon_after`` seconds without ``touch`` drops a queued run."""
 
-    def __init__(self, abandon_after: float = 30.0, format_error: ErrorFormatter | None = None):
+    def __init__(self, abandon_after: float = 30.0, format_error: ErrorFormatter | None = None,
+                 history: int = 1000):
         self.abandon_after = abandon_after
+        self.history: deque[Ticket] = deque(maxlen=history)  # finished runs, oldest first: waits and fairness
         self.format_error = format_error or (lambda error: f"{type(error).__name__}: {error}")
         self._lock = threading.Condition()
         self._per_user: OrderedDict[str, deque[Ticket]] = OrderedDict()
@@ -110,7 +115,7 @@ class RunQueue:
                     del self._per_user[user]
                     if queue:  # this user goes to the back of the round
                         self._per_user[user] = queue
-                    ticket.status = RUNNING
+                    ticket.status, ticket.started_at = RUNNING, time.monotonic()
                     self._running = ticket
                     return ticket
                 self._lock.wait(timeout=1.0)
@@ -131,10 +136,11 @@ class RunQueue:
             else:
                 del self._per_user[user]
 
-    @staticmethod
-    def _finish(ticket: Ticket, status: str, result: Any = None, error: str | None = None) -> None:
+    def _finish(self, ticket: Ticket, status: str, result: Any = None, error: str | None = None) -> None:
         ticket.status, ticket.result, ticket.error = status, result, error
         ticket.fraction = 1.0 if status == DONE else ticket.fraction
+        ticket.finished_at = time.monotonic()
+        self.history.append(ticket)
         ticket.done.set()
 
     def _work(self) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from kvviz.cache import KVCache, rope_rotator
 from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
+from kvviz.diagnostics import quantization_report
 from kvviz.ledger import EvictionLedger
 from kvviz.memory import model_card
 from kvviz.methods import MethodStack, SpecError, parse_spec
@@ -199,6 +200,7 @@ def compare(
     with loaded.lock:
         session = PromptSession(loaded, prompt_ids)
         prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
+        quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
         results: list[MethodResult] = []
         reference: MethodResult | None = None
         reference_logprobs: list[torch.Tensor] = []
@@ -228,4 +230,5 @@ def compare(
             except (RuntimeError, ValueError, IndexError) as error:  # one method's crash must not sink the others
                 result = MethodResult(method=stack.label, error=f"{type(error).__name__}: {error}")
             results.append(result)
-    return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results)
+    return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,
+                      quantization)

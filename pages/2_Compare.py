@@ -7,9 +7,8 @@ import streamlit as st
 
 from kvviz import plots
 from kvviz.memory import model_card
-from kvviz.methods import REGISTRY, parse_spec
+from kvviz.methods import REGISTRY
 from ui import (
-    cached_reconstruction,
     encode,
     method_configurator,
     method_output,
@@ -133,13 +132,19 @@ if not memory.empty:
     if kl:
         st.plotly_chart(plots.kl_figure(kl), width="stretch")
 
-quantized = [r.method for r in measured if parse_spec(r.method).quantization is not None]
-if quantized:
+if comparison.quantization is not None:
     st.subheader("Quantization error")
-    errors = cached_reconstruction(loaded.name, tuple(comparison.prompt_ids), tuple(quantized), loaded)
-    st.plotly_chart(plots.reconstruction_figure(errors), width="stretch")
+    report = comparison.quantization
+    st.plotly_chart(plots.reconstruction_figure({m: (e.key, e.value) for m, e in report.errors.items()}),
+                    width="stretch")
     st.caption("Each method stores the prompt's keys and values; the lines show how far what attention reads is "
                "from the original, per layer. Tokens still in a full-precision residual count as exact.")
+    ratios = report.key_channels.outlier_ratio
+    worst = max(range(len(ratios)), key=ratios.__getitem__)
+    st.plotly_chart(plots.key_channel_figure(report.key_channels.absmax), width="stretch")
+    st.caption(f"Why keys are quantized per channel (KIVI): a few key channels are far larger than the rest. In layer "
+               f"{worst} the largest channel is {ratios[worst]:.0f}x the median one. Quantized per token, such a "
+               "channel sets the step for every channel of the token; quantized per channel, it gets its own scale.")
 
 st.subheader("Kept and evicted tokens")
 with_ledger = [r for r in measured if r.ledger is not None and bool((r.ledger.evicted_at >= 0).any())]

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Stored results (kvviz.runs) go to a folder of this test session: a run never reads another session's results.
+os.environ["KVVIZ_RESULTS"] = tempfile.mkdtemp(prefix="kvviz-results-")
 
 
 @pytest.fixture(scope="session")

@@ -66,10 +66,13 @@ def _entrypoint(env):
                           env=full_env, cwd="/")
 
 
-def test_entrypoint_checks_settings_then_serves():
+def test_entrypoint_checks_settings_warms_then_serves():
     result = _entrypoint({"PORT": "9999"})
     assert result.returncode == 0, result.stderr
-    assert "streamlit run app.py" in result.stdout and "--server.port 9999" in result.stdout
+    warm, serve = result.stdout.strip().splitlines()
+    assert warm.endswith("-m kvviz_app.warm"), "the result store is warmed before students connect"
+    assert "streamlit run app.py" in serve and "--server.port 9999" in serve
+    assert _entrypoint({"KVVIZ_WARM": "0"}).stdout.count("\n") == 1, "KVVIZ_WARM=0 serves at once"
 
 
 def test_entrypoint_refuses_bad_settings_before_serving():

@@ -161,3 +161,21 @@ def test_real_model_agreement_and_key_error(real_model, story_ids):
     assert sum(agreement[kivi2]) / 3 >= 0.6
     assert sum(agreement[naive2]) < sum(agreement[kivi2])
     assert all(n > 1.3 * k for n, k in zip(key_error[naive2], key_error[kivi2], strict=True))
+
+
+def test_comparison_reports_quantization_error_from_its_own_prefill(tiny_model):
+    """Compare diagnoses its quantizers on the prefill it already ran: the same numbers as a separate prefill."""
+    from kvviz.diagnostics import key_channel_stats, prefill_kv, reconstruction_error
+    from kvviz.session import PromptSession, compare
+
+    ids = list(range(5, 85))
+    comparison = compare(tiny_model, ids, ["full", "window:window=16", "kivi:residual=0",
+                                           "window:window=16+per_token:bits=4,residual=0"], 3)
+    report = comparison.quantization
+    assert set(report.errors) == {"kivi:residual=0", "window:window=16+per_token:bits=4,residual=0"}
+    kv = prefill_kv(PromptSession(tiny_model, ids))
+    alone = reconstruction_error(kv, "kivi:residual=0")
+    assert report.errors["kivi:residual=0"].key == pytest.approx(alone.key)
+    assert report.errors["kivi:residual=0"].value == pytest.approx(alone.value)
+    assert torch.equal(report.key_channels.absmax, key_channel_stats(kv).absmax)
+    assert compare(tiny_model, ids, ["full", "window:window=16"], 2).quantization is None

@@ -1,0 +1,180 @@
+"""The runs the pages ask for, as plain requests, and a result store on disk that outlives the server process.
+
+A request names its inputs (frozen dataclass fields) and knows how to compute itself on a loaded model. The store
+keys results by the request, the model (name, device, dtype) and a fingerprint of kvviz's code, so a result is
+reused only when the same code would compute the same thing. The app looks here before queueing a run, and the
+class warm-up (``make warm``) fills the store before students connect: a page whose run is stored never touches the
+model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import pickle
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from kvviz.capture import AttentionStats, CaptureConfig, listening
+from kvviz.memory import model_card
+from kvviz.models import LoadedModel, cache_dir
+from kvviz.needle import NeedleReport, run_needle_grid
+from kvviz.results import Comparison
+from kvviz.session import PromptSession, compare
+
+Progress = Callable[[float, str], None]
+MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """A hash of every kvviz source file: stored results from other code are never reused."""
+    digest = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+class RunRequest:
+    """Base of the requests: ``kind`` names the computation, the dataclass fields are its inputs."""
+
+    kind: ClassVar[str] = ""
+
+    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> Any:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class CompareRequest(RunRequest):
+    """Compare: one prompt replayed under several SPECs (``full`` is the reference)."""
+
+    kind: ClassVar[str] = "compare"
+    prompt_ids: tuple[int, ...]
+    specs: tuple[str, ...]
+    max_new_tokens: int
+
+    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> Comparison:
+        return compare(loaded, list(self.prompt_ids), list(self.specs), self.max_new_tokens, progress=progress)
+
+
+class _LayerProgress:
+    """An attention listener that reports how far a prefill has got, layer by layer."""
+
+    def __init__(self, layers: int, progress: Progress):
+        self.layers = layers
+        self.progress = progress
+
+    def wants(self, layer_idx: int) -> bool:
+        return True
+
+    def query_rows(self, layer_idx: int, query_total: int) -> int:
+        return 1  # the last query marks the layer done; asking for more would take the layer off SDPA
+
+    def observe(self, layer_idx: int, probs: Any, query_start: int, query_total: int) -> None:
+        if query_start + probs.shape[2] == query_total:
+            self.progress((layer_idx + 1) / self.layers, f"layer {layer_idx + 1} of {self.layers}")
+
+
+@dataclass(frozen=True)
+class AttentionRequest(RunRequest):
+    """Attention: sink mass in every layer, every head's matrix of ``layer``, and the attention each token receives
+    in ``layer`` (in every layer with ``every_layer``: explicit attention everywhere, slower)."""
+
+    kind: ClassVar[str] = "attention"
+    prompt_ids: tuple[int, ...]
+    layer: int
+    sink_tokens: int
+    every_layer: bool = False
+
+    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> AttentionStats:
+        card = model_card(loaded)
+        config = CaptureConfig(sink_tokens=self.sink_tokens, matrices=[(self.layer, h) for h in range(card.q_heads)],
+                               matrix_size=MATRIX_SIZE,
+                               received_layers=None if self.every_layer else (self.layer,))
+        listeners = [_LayerProgress(card.layers, progress)] if progress is not None else []
+        with loaded.lock, listening(*listeners):
+            return PromptSession(loaded, list(self.prompt_ids)).prefill(config).stats
+
+
+@dataclass(frozen=True)
+class NeedleRequest(RunRequest):
+    """Needle: the depth x length pass-key grid per method."""
+
+    kind: ClassVar[str] = "needle"
+    specs: tuple[str, ...]
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    trials: int
+    mode: str
+    chat: bool
+    max_new_tokens: int
+
+    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> NeedleReport:
+        return run_needle_grid(loaded, list(self.specs), list(self.lengths), list(self.depths), trials=self.trials,
+                               chat=self.chat, mode=self.mode, max_new_tokens=self.max_new_tokens,
+                               progress=progress)
+
+
+@dataclass
+class ResultStore:
+    """Results on disk, one pickle per request; the oldest files go once the folder exceeds ``max_bytes``.
+
+    Only the server and the warm-up write here (a folder from the server's settings, never from users), so
+    unpickling reads nothing a user controls.
+    """
+
+    root: Path
+    max_bytes: int = 1 << 30
+    hits: int = field(default=0, init=False)
+
+    @classmethod
+    def default(cls) -> ResultStore:
+        """``KVVIZ_RESULTS`` if set, else ``results/`` under kvviz's cache folder (``KVVIZ_CACHE``)."""
+        return cls(Path(os.environ.get("KVVIZ_RESULTS") or cache_dir() / "results"))
+
+    def path(self, loaded: LoadedModel, request: RunRequest) -> Path:
+        identity = (code_fingerprint(), request.kind, loaded.name, str(loaded.device), str(loaded.dtype), request)
+        return self.root / request.kind / f"{hashlib.sha256(repr(identity).encode()).hexdigest()}.pkl"
+
+    def load(self, loaded: LoadedModel, request: RunRequest) -> Any | None:
+        """The stored result, or None (absent, or unreadable: it is then recomputed)."""
+        path = self.path(loaded, request)
+        try:
+            with path.open("rb") as handle:
+                result = pickle.load(handle)
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+            return None
+        self.hits += 1
+        os.utime(path)  # recently used: pruned last
+        return result
+
+    def save(self, loaded: LoadedModel, request: RunRequest, result: Any) -> None:
+        """Write atomically (a reader never sees half a file), then prune the oldest results over the size cap."""
+        path = self.path(loaded, request)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, delete=False, suffix=".tmp") as handle:
+            pickle.dump(result, handle, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(handle.name, path)
+        self._prune()
+
+    def fetch(self, loaded: LoadedModel, request: RunRequest, progress: Progress | None = None) -> Any:
+        """The stored result, or compute, store and return it."""
+        found = self.load(loaded, request)
+        if found is None:
+            found = request.compute(loaded, progress)
+            self.save(loaded, request, found)
+        return found
+
+    def _prune(self) -> None:
+        files = sorted(self.root.rglob("*.pkl"), key=lambda p: p.stat().st_mtime, reverse=True)
+        total = 0
+        for path in files:
+            total += path.stat().st_size
+            if total > self.max_bytes:
+                path.unlink(missing_ok=True)

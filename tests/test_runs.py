@@ -1,0 +1,91 @@
+"""The result store: requests keyed by their inputs, the model and kvviz's code; the class warm-up fills it."""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+import streamlit as st
+import torch
+from streamlit.testing.v1 import AppTest
+
+import kvviz.runs
+from kvviz.models import LoadedModel
+from kvviz.runs import CompareRequest, ReconstructionRequest, ResultStore, RunRequest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class CountingRequest(RunRequest):
+    kind: ClassVar[str] = "counting"
+    value: int
+    calls: list = field(default_factory=list, repr=False, compare=False)  # where compute() records that it ran
+
+    def compute(self, loaded, progress=None):
+        self.calls.append(self.value)
+        return {"value": self.value, "tensor": torch.arange(self.value)}
+
+
+def _loaded(device: str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    return LoadedModel(name="fake", model=None, tokenizer=None, device=device, dtype=dtype)
+
+
+def test_store_computes_once_then_loads(tmp_path):
+    store, calls = ResultStore(tmp_path), []
+    first = store.fetch(_loaded(), CountingRequest(3, calls))
+    again = store.fetch(_loaded(), CountingRequest(3, calls))
+    assert calls == [3] and store.hits == 1
+    assert torch.equal(again["tensor"], first["tensor"])
+    store.fetch(_loaded(), CountingRequest(4, calls))
+    assert calls == [3, 4], "other inputs are another result"
+
+
+def test_store_keys_on_device_dtype_and_code(tmp_path, monkeypatch):
+    store, calls = ResultStore(tmp_path), []
+    store.fetch(_loaded(), CountingRequest(3, calls))
+    store.fetch(_loaded("cuda"), CountingRequest(3, calls))
+    store.fetch(_loaded(dtype=torch.bfloat16), CountingRequest(3, calls))
+    monkeypatch.setattr(kvviz.runs, "code_fingerprint", lambda: "other code")
+    store.fetch(_loaded(), CountingRequest(3, calls))
+    assert calls == [3, 3, 3, 3]
+
+
+def test_store_prunes_the_least_recently_used_over_its_size(tmp_path):
+    store, calls = ResultStore(tmp_path), []
+    store.fetch(_loaded(), CountingRequest(100, calls))
+    one_file = next(tmp_path.rglob("*.pkl")).stat().st_size
+    store.max_bytes = int(3.5 * one_file)  # room for three results
+    for value in (101, 102, 100, 103):  # 100 is used again before 103 arrives: 101 is now the oldest
+        store.fetch(_loaded(), CountingRequest(value, calls))
+    assert sum(p.stat().st_size for p in tmp_path.rglob("*.pkl")) <= store.max_bytes
+    store.fetch(_loaded(), CountingRequest(100, calls))
+    store.fetch(_loaded(), CountingRequest(101, calls))
+    assert calls == [100, 101, 102, 103, 101], "the least recently used result went, the one used again stayed"
+
+
+def test_unreadable_result_is_recomputed(tmp_path):
+    store, calls = ResultStore(tmp_path), []
+    store.fetch(_loaded(), CountingRequest(5, calls))
+    store.path(_loaded(), CountingRequest(5, calls)).write_bytes(b"not a pickle")
+    assert store.fetch(_loaded(), CountingRequest(5, calls))["value"] == 5
+    assert calls == [5, 5]
+
+
+@pytest.mark.slow
+def test_page_opened_after_warm_up_does_not_run_the_model(real_model, monkeypatch):
+    from kvviz_app.warm import warm
+
+    runs = warm(["Compare"])
+    assert [r.error for r in runs] == [None] and runs[0].buttons == 1
+    st.cache_data.clear()  # a new server process: nothing in memory, only the store on disk
+
+    def no_model(self, loaded, progress=None):
+        raise AssertionError("the page ran the model although the warm-up stored its run")
+
+    monkeypatch.setattr(CompareRequest, "compute", no_model)
+    monkeypatch.setattr(ReconstructionRequest, "compute", no_model)
+    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=120).run()
+    next(b for b in app.button if b.proto.type == "primary").click().run()
+    assert not app.exception and not app.error, [e.value for e in app.error]
+    assert app.dataframe, "the stored comparison is shown"
