@@ -54,8 +54,7 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, new = key_states.shape[:3]
-        absolute = self.owner.step_positions.to(key_states.device).view(1, 1, new).expand(batch, heads, new)
-        rotary = self.owner.step_rotary.to(key_states.device).view(1, 1, new).expand(batch, heads, new)
+        absolute, rotary = (t.view(1, 1, new).expand(batch, heads, new) for t in self.owner.step_on(key_states.device))
         self.storage.append(key_states, value_states)
         self.positions = absolute.clone() if self.positions is None else torch.cat([self.positions, absolute], -1)
         self.rotary = rotary.clone() if self.rotary is None else torch.cat([self.rotary, rotary], -1)
@@ -152,6 +151,7 @@ class KVCache(Cache):
         self.step_positions = torch.zeros(0, dtype=torch.long)
         self.step_rotary = torch.zeros(0, dtype=torch.long)
         self.step_rotary_end = 0  # one past the newest token's rotary position
+        self._step_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = None  # see step_on
         self._rerotation: tuple[tuple, torch.Tensor, Rerotation | None] | None = None  # the last layer's answer
         quantization, eviction = self.stack.quantization, self.stack.eviction
         layers = [
@@ -189,11 +189,19 @@ class KVCache(Cache):
         self._rerotation = ((end, dtype), rotary, plan)
         return plan
 
+    def step_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's absolute and rotary positions on ``device``, copied there once per step for every layer (a
+        copy per layer made each GPU decode step wait on the host 2 x layers times)."""
+        if self._step_device is None or self._step_device[0] != device:
+            self._step_device = (device, self.step_positions.to(device), self.step_rotary.to(device))
+        return self._step_device[1], self._step_device[2]
+
     def begin_forward(self, absolute: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Set the positions of the tokens about to be fed; return (position_ids, cache_position) for the model."""
         self.step = step
         self.step_positions = absolute.cpu()
         self.step_rotary = self.next_rotary_positions(self.step_positions)
+        self._step_device = None
         self.step_rotary_end = int(self.step_rotary.max()) + 1
         if self.ledger is not None:
             self.ledger.ensure(int(absolute.max()) + 1)

@@ -308,28 +308,31 @@ class StatsRecorder:
 
     def observe_sink_mass(self, layer_idx: int, mass: torch.Tensor) -> None:
         # a compact copy: ``mass`` is a strided view into the layer's whole attention output
-        self.stats.sink_mass[layer_idx] = mass[0].detach().float().cpu().clone(memory_format=torch.contiguous_format)
+        self.stats.sink_mass[layer_idx] = mass[0].detach().float().clone(memory_format=torch.contiguous_format)
 
     def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
-        probs = probs[0].detach().float().cpu()  # [H, block, K]
+        """Fold a block into the statistics where it lies: on an accelerator the sums stay there and only the
+        folded statistics move to the CPU, at :meth:`finish` (copying every block out cost 30 s per 4K prefill)."""
+        probs = probs[0].detach().float()  # [H, block, K]
         heads, block, width = probs.shape
+        device = probs.device
         stats = self.stats
         keys = max(width, stats.num_tokens)
         if self.config.all_queries:  # rows may be all queries, or just a window's when SDPA gave the sink mass
             if layer_idx not in stats.sink_mass:
-                stats.sink_mass[layer_idx] = torch.zeros(heads, query_total)
+                stats.sink_mass[layer_idx] = torch.zeros(heads, query_total, device=device)
             sinks = probs[:, :, : self.config.sink_tokens].sum(-1)
             stats.sink_mass[layer_idx][:, query_start : query_start + block] = sinks
             if self._explicit(layer_idx):
                 if layer_idx not in stats.key_attention:
-                    stats.key_attention[layer_idx] = torch.zeros(heads, keys)
+                    stats.key_attention[layer_idx] = torch.zeros(heads, keys, device=device)
                 stats.key_attention[layer_idx][:, :width] += probs.sum(dim=1)
         for window in self.config.windows:
             first = max(query_start, query_total - window)
             if first < query_start + block:
                 summed = probs[:, first - query_start :].sum(dim=1)
                 per_layer = stats.window_attention.setdefault(window, {})
-                per_layer.setdefault(layer_idx, torch.zeros(heads, keys))[:, :width] += summed
+                per_layer.setdefault(layer_idx, torch.zeros(heads, keys, device=device))[:, :width] += summed
         for layer, head in self.config.matrices:
             if layer == layer_idx:
                 self._fold_matrix((layer, head), probs[head], query_start, query_total, keys)
@@ -340,21 +343,27 @@ class StatsRecorder:
         Each cell is the attention mass a query bin puts on a key bin (summed over keys, averaged over queries),
         so every row still sums to one however far it is downsampled.
         """
-        size = self.config.matrix_size
+        size, device = self.config.matrix_size, rows.device
         row_bins, col_bins = min(total, size), min(keys, size)
         width = rows.shape[1]  # may be fewer than ``keys``: the rest got no attention
         if where not in self.stats.matrices:
-            self.stats.matrices[where] = torch.zeros(row_bins, col_bins)
-            self._matrix_counts[where] = torch.zeros(row_bins, 1)
-        row_index = torch.div(torch.arange(start, start + rows.shape[0]) * row_bins, total, rounding_mode="floor")
-        col_index = torch.div(torch.arange(width) * col_bins, keys, rounding_mode="floor")
-        by_col = torch.zeros(rows.shape[0], col_bins).index_add_(1, col_index, rows)  # columns first: O(block)
+            self.stats.matrices[where] = torch.zeros(row_bins, col_bins, device=device)
+            self._matrix_counts[where] = torch.zeros(row_bins, 1, device=device)
+        row_index = torch.div(torch.arange(start, start + rows.shape[0], device=device) * row_bins, total,
+                              rounding_mode="floor")
+        col_index = torch.div(torch.arange(width, device=device) * col_bins, keys, rounding_mode="floor")
+        by_col = torch.zeros(rows.shape[0], col_bins, device=device).index_add_(1, col_index, rows)  # O(block)
         self.stats.matrices[where].index_add_(0, row_index, by_col)
-        self._matrix_counts[where].index_add_(0, row_index, torch.ones(rows.shape[0], 1))
+        self._matrix_counts[where].index_add_(0, row_index, torch.ones(rows.shape[0], 1, device=device))
 
     def finish(self) -> AttentionStats:
+        """The statistics, on the CPU (readers index them freely)."""
+        stats = self.stats
         for where, counts in self._matrix_counts.items():
-            self.stats.matrices[where] = self.stats.matrices[where] / counts.clamp(min=1)
+            stats.matrices[where] = stats.matrices[where] / counts.clamp(min=1)
         self._matrix_counts.clear()
-        return self.stats
+        for table in (stats.key_attention, stats.sink_mass, stats.matrices, *stats.window_attention.values()):
+            for name, tensor in table.items():
+                table[name] = tensor.cpu()
+        return stats
 
