@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from kvviz.bench_app import section_app
 from kvviz.cache import KVCache
 from kvviz.capture import CaptureConfig
 from kvviz.memory import model_card
@@ -74,6 +75,9 @@ class Sizes:
     needle_lengths: tuple[int, ...] = (512, 1024, 2048)
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     needle_tokens: int = 12
+    app_prompt: int = 2022  # the app section: the upload, six configurations, 32 new tokens
+    app_tokens: int = 32
+    app_lessons: bool = True
     repeats: int = 2
 
 
@@ -82,7 +86,8 @@ SIZES: dict[str, Sizes] = {
     "quick": Sizes(compare_prompt=96, compare_tokens=3, generate_prompt=32, generate_tokens=4,
                    capture_lengths=(64, 128), decode_prompt=96, decode_budget=32, decode_steps=2,
                    bookkeeping_context=64, peer_prompt=160, ppl_tokens=16, needle_lengths=(120,),
-                   needle_depths=(0.5,), needle_tokens=3, repeats=1),
+                   needle_depths=(0.5,), needle_tokens=3, app_prompt=64, app_tokens=2, app_lessons=False,
+                   repeats=1),
     "gpu": Sizes(compare_prompt=4096, compare_tokens=32, generate_prompt=4096, generate_tokens=128,
                  capture_lengths=(4096, 8192, 16384, 32768), decode_prompt=32768, decode_budget=1024,
                  decode_steps=32, bookkeeping_context=8192, peer_prompt=16384, ppl_tokens=2048, repeats=3),
@@ -90,7 +95,7 @@ SIZES: dict[str, Sizes] = {
 
 # Cheapest first, so a run cut short still has the core figures (its JSON is rewritten after every section).
 SECTIONS = ("shared_prefill", "kv_bytes", "replay_vs_generate", "bookkeeping", "decode_large_cache", "kivi",
-            "peer_kvpress", "capture", "perplexity", "needle")
+            "peer_kvpress", "capture", "perplexity", "needle", "app")
 
 
 @dataclass
@@ -721,6 +726,7 @@ RUNNERS = {
     "kivi": section_kivi,
     "perplexity": section_perplexity,
     "needle": section_needle,
+    "app": section_app,
 }
 
 

@@ -1,6 +1,6 @@
-"""Many students at once: concurrent Compare sessions through the shared queue, and a soak of repeated runs.
+"""Many students at once: a class of 30 real Streamlit sessions through the shared queue, and a soak.
 
-Bounded and local: a few in-process AppTest sessions, no network traffic.
+Bounded and local: in-process AppTest sessions (one server's caches and queue), no network traffic.
 """
 
 import threading
@@ -14,43 +14,87 @@ from kvviz.runqueue import RunQueue
 from kvviz.session import compare, encode_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ["Name two planets.", "Say hello in French.", "What is two plus two?"]
 SPECS = ["full", "window:window=12"]
+STUDENTS = 30
+LESSON_STUDENTS = 5  # these open Lessons step 1 (one shared run); the others each run their own short comparison
+TOPICS = ["planets", "rivers", "birds", "colours", "tools", "trees", "metals", "dances", "breads", "boats"]
+PROMPTS = [f"Name {n} {topic}." for n in ("two", "three", "four") for topic in TOPICS][: STUDENTS - LESSON_STUDENTS]
 
 
 def _compare_page(prompt: str) -> AppTest:
     """A student's Compare page with the prompt typed in, ready to press Run."""
-    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=600)
-    for key, value in {"m": SPECS, "n": "5"}.items():
+    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=900)
+    for key, value in {"m": SPECS, "n": "3"}.items():
         app.query_params[key] = value
     app.run()
     app.text_area(key="compare_text").set_value(prompt).run()
     return app
 
 
+def _lesson_page() -> AppTest:
+    app = AppTest.from_file(str(ROOT / "pages" / "5_Lessons.py"), default_timeout=900)
+    app.query_params["step"] = "1"
+    return app.run()
+
+
+def _run_button(app: AppTest):
+    return next(b for b in app.button if b.proto.type == "primary")
+
+
+@pytest.fixture
+def one_script_cache(monkeypatch):
+    """Parse page scripts one at a time, as one server does (its script cache holds a lock); each AppTest has a
+    cache of its own, and CPython 3.11's parser is not safe to run in many threads at once."""
+    from streamlit.runtime.scriptrunner import magic
+
+    lock, parse = threading.Lock(), magic.add_magic
+
+    def add_magic_serialized(code: str, script_path: str):
+        with lock:
+            return parse(code, script_path)
+
+    monkeypatch.setattr(magic, "add_magic", add_magic_serialized)
+
+
 @pytest.mark.slow
-def test_concurrent_sessions_all_complete_with_single_user_results(real_model):
-    apps = {prompt: _compare_page(prompt) for prompt in PROMPTS}  # pages open; the runs start together
+def test_a_class_of_30_all_finish_fairly_with_single_user_results(real_model, one_script_cache):
+    from ui import run_queue
+
+    queue = run_queue()
+    already = len(queue.history)
+    # pages open first (AppTest set-up is not thread-safe), then every student presses Run at once
+    apps = {prompt: _compare_page(prompt) for prompt in PROMPTS}
+    apps |= {f"lesson {i}": _lesson_page() for i in range(LESSON_STUDENTS)}
     errors: list[BaseException] = []
 
-    def student(prompt: str) -> None:
+    def student(name: str) -> None:
         try:
-            apps[prompt].button[0].click().run()
+            _run_button(apps[name]).click().run()
         except BaseException as error:  # noqa: BLE001 - reported below
             errors.append(error)
 
-    threads = [threading.Thread(target=student, args=(p,)) for p in PROMPTS]
+    threads = [threading.Thread(target=student, args=(name,)) for name in apps]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(600)
+        thread.join(1800)
     assert not errors, errors
+    for name, app in apps.items():
+        assert not app.exception and not app.error, (name, [e.value for e in app.error])
+        assert app.dataframe, f"{name}: no results shown"
+
+    runs = list(queue.history)[already:]
+    assert all(t.status == "done" for t in runs)
+    # every comparison ran once; the five identical lesson runs ran once (the others waited for its result)
+    assert len({t.user for t in runs}) == len(runs) == len(PROMPTS) + 1
+    for ticket in runs:  # round-robin: nobody waits behind more than one run of any other student
+        ahead = [t.user for t in runs if ticket.submitted_at < t.started_at < ticket.started_at]
+        assert max((ahead.count(u) for u in set(ahead)), default=0) <= 1
+
     for prompt in PROMPTS:
-        app = apps[prompt]
-        assert not app.exception and not app.error, [e.value for e in app.error]
         ids = encode_prompt(real_model.tokenizer, prompt, chat=True)
-        alone = compare(real_model, ids, SPECS, 5)
-        shown = app.dataframe[0].value
+        alone = compare(real_model, ids, SPECS, 3)
+        shown = apps[prompt].dataframe[0].value
         assert list(shown["method"]) == SPECS
         for result, (_, row) in zip(alone.results, shown.iterrows(), strict=True):
             assert row["agreement"] == pytest.approx(result.agreement_with_full)

@@ -1,0 +1,204 @@
+"""The served app timed against its own engine, in headless chromium (the ``app`` section of ``python -m kvviz bench``).
+
+What a student feels: the app is started as ``make run`` starts it (its own process, the baked config, an empty
+result store), Compare is driven through the real page (URL settings, file upload, the Run button) and timed from
+the click until the results are on screen; the same comparison is timed in this process with the engine alone.
+Then the same result opened again from a new browser session (cached), and every lesson step cold and warm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+from kvviz.models import LoadedModel
+from kvviz.session import compare, encode_prompt
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+# the issue's comparison: six configurations on a 2K-token upload
+APP_SPECS = ("full", "streaming_llm:sinks=4,window=252", "snapkv:budget=256", "h2o:heavy=128,recent=128",
+             "kivi:bits=2", "snapkv:budget=256+kivi:bits=2")
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium (``make browser`` installs it), or None."""
+    return shutil.which("chromium") or (None if not Path("/usr/bin/chromium").exists() else "/usr/bin/chromium")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[str]:
+    """``streamlit run app.py`` as ``make run`` serves it (the baked .streamlit/config.toml), on a free loopback
+    port, until the block ends; yields its URL."""
+    port = _free_port()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
+             "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + startup
+            while True:
+                try:
+                    if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                        break
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"streamlit did not start; see {log_path}") from None
+                    time.sleep(0.5)
+            yield url
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def settle(page, timeout: float = 600) -> None:
+    """Wait until the page's script run finished (Streamlit's running indicator is gone)."""
+    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
+    deadline = time.monotonic() + timeout
+    page.wait_for_timeout(300)
+    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
+        page.wait_for_timeout(100)
+
+
+def upload_prompt_text(loaded: LoadedModel, tokens: int) -> str:
+    """Hamlet (or kvviz's filler) cut so the chat-wrapped prompt is about ``tokens`` tokens, ending with a question."""
+    from kvviz.bench import prompt_tokens
+
+    question = "\n\nIn one sentence, what happens in the passage above?"
+    body = prompt_tokens(loaded, tokens)
+    text = loaded.tokenizer.decode(body[: max(8, tokens - 40)], skip_special_tokens=True) + question
+    return text
+
+
+def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeout: float) -> float:
+    """Open Compare from a shared URL, upload the prompt, press Run; seconds from the click to the results."""
+    page.goto(url, timeout=timeout * 1000)
+    page.get_by_role("button", name="Run comparison").wait_for(timeout=timeout * 1000)
+    settle(page, timeout)
+    page.locator('[data-testid="stFileUploader"] input[type="file"]').first.set_input_files(str(upload))
+    page.get_by_text(f"Using **{upload.name}**".replace("**", "")).first.wait_for(timeout=timeout * 1000)
+    settle(page, timeout)
+    started = time.perf_counter()
+    page.get_by_role("button", name="Run comparison").click()
+    page.get_by_text(f"configurations on {prompt_tokens} prompt tokens").wait_for(timeout=timeout * 1000)
+    seconds = time.perf_counter() - started
+    settle(page, timeout)
+    return seconds
+
+
+def _lesson_in_browser(page, base: str, step: int, timeout: float) -> float | None:
+    """Open a lesson step, press its run button; seconds from the click until the page settled (None: no button)."""
+    page.goto(f"{base}/Lessons?step={step}", timeout=timeout * 1000)
+    page.get_by_text("Lessons").first.wait_for(timeout=timeout * 1000)
+    settle(page, timeout)
+    buttons = page.locator('[data-testid="stBaseButton-primary"]')
+    if not buttons.count():
+        return None
+    started = time.perf_counter()
+    buttons.first.click()
+    page.wait_for_timeout(200)
+    settle(page, timeout)
+    if page.locator('[data-testid="stException"]').count():
+        raise RuntimeError(f"lesson step {step} raised: {page.inner_text('body')[:300]}")
+    return time.perf_counter() - started
+
+
+def lesson_steps(base: str, page, timeout: float) -> int:
+    """How many steps the Lessons page offers (its step radio)."""
+    page.goto(f"{base}/Lessons", timeout=timeout * 1000)
+    page.get_by_text("Lessons").first.wait_for(timeout=timeout * 1000)
+    settle(page, timeout)
+    return page.locator('[data-testid="stRadio"]').first.locator('input[type="radio"]').count()
+
+
+def section_app(loaded: LoadedModel, sizes, log, state: dict):
+    """The ``app`` section: served app vs engine on the issue's comparison, cached re-render, lessons cold/warm."""
+    from kvviz.bench import Section
+
+    section = Section("app", "the served app in headless chromium vs its engine")
+    chromium = chromium_path()
+    if loaded.tokenizer is None or loaded.name.startswith("random:"):
+        section.skipped = "needs the model the app serves (a random-weight model has no page)"
+        return section
+    if chromium is None:
+        section.skipped = "chromium is not installed (make browser)"
+        return section
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        section.skipped = "the playwright package is not installed"
+        return section
+
+    text = upload_prompt_text(loaded, sizes.app_prompt)
+    ids = encode_prompt(loaded.tokenizer, text, chat=True)
+    specs = list(APP_SPECS) if sizes.app_prompt >= 1024 else ["full", "window:window=16", "kivi:bits=2"]
+    timeout = 1800.0
+    engine = []
+
+    def engine_run() -> None:
+        started = time.perf_counter()
+        compare(loaded, ids, specs, sizes.app_tokens)
+        engine.append(time.perf_counter() - started)
+
+    with tempfile.TemporaryDirectory(prefix="kvviz-bench-app-") as folder:
+        work = Path(folder)
+        upload = work / "prompt.txt"
+        upload.write_text(text, encoding="utf-8")
+        query = urllib.parse.urlencode([("m", s) for s in specs] + [("n", sizes.app_tokens), ("chat", 1)])
+        env = {"KVVIZ_RESULTS": str(work / "results"), "KVVIZ_MODEL": loaded.name, "KVVIZ_DEVICE": loaded.device}
+        log(f"  engine: {len(specs)} configurations, {len(ids)} prompt tokens, {sizes.app_tokens} new tokens")
+        engine_run()
+        with served_app(work / "server.log", env) as base, sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+            try:
+                log("  app: the same comparison through the Compare page")
+                app_seconds = _compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
+                                                  f"{base}/Compare?{query}", upload, len(ids), timeout)
+                engine_run()  # engine timed before and after the app, so a slow spell hits both sides
+                log("  app: the cached result, opened from a new session")
+                cached = _compare_in_browser(browser.new_page(), f"{base}/Compare?{query}", upload, len(ids),
+                                             timeout)
+                section.add("app_vs_engine", app_seconds / statistics.mean(engine), "x", "<= 1.15",
+                            note=f"app {app_seconds:.1f} s, engine {statistics.mean(engine):.1f} s "
+                                 f"({' / '.join(f'{e:.1f}' for e in engine)}); {len(specs)} configurations, "
+                                 f"{len(ids)} prompt tokens, {sizes.app_tokens} new tokens")
+                section.add("cached_rerender", cached, "s", "<= 2")
+                if sizes.app_lessons:
+                    steps = lesson_steps(base, browser.new_page(), timeout)
+                    for step in range(1, steps + 1):
+                        log(f"  lesson step {step}: cold, then warm")
+                        cold = _lesson_in_browser(browser.new_page(), base, step, timeout)
+                        if cold is None:
+                            continue
+                        warm = _lesson_in_browser(browser.new_page(), base, step, timeout)
+                        section.add(f"lesson_{step}_cold", cold, "s")
+                        section.add(f"lesson_{step}_warm", warm, "s", "<= 2")
+            finally:
+                browser.close()
+    return section
