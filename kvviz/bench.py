@@ -33,7 +33,7 @@ from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, parse_spec
 from kvviz.models import LoadedModel, resolve_device, resolve_dtype
 from kvviz.replay import decode
-from kvviz.session import PromptSession, capture_for
+from kvviz.session import PromptSession, capture_for, compare
 
 Log = Callable[[str], None]
 
@@ -78,6 +78,8 @@ class Sizes:
     app_prompt: int = 2022  # the app section: the issue's upload, six configurations, 32 new tokens
     app_tokens: int = 32
     app_lessons: bool = True
+    batched_prompt: int = 2048
+    batched_tokens: int = 32
     repeats: int = 2
 
 
@@ -86,16 +88,16 @@ SIZES: dict[str, Sizes] = {
     "quick": Sizes(compare_prompt=96, compare_tokens=3, generate_prompt=32, generate_tokens=4,
                    capture_lengths=(64, 128), decode_prompt=96, decode_budget=32, decode_steps=2,
                    bookkeeping_context=64, peer_prompt=160, ppl_tokens=16, needle_lengths=(120,),
-                   needle_depths=(0.5,), needle_tokens=3, app_prompt=64, app_tokens=2, app_lessons=False,
-                   repeats=1),
+                   needle_depths=(0.5,), needle_tokens=3, batched_prompt=96, batched_tokens=4, app_prompt=64,
+                   app_tokens=2, app_lessons=False, repeats=1),
     "gpu": Sizes(compare_prompt=4096, compare_tokens=32, generate_prompt=4096, generate_tokens=128,
                  capture_lengths=(4096, 8192, 16384, 32768), decode_prompt=32768, decode_budget=1024,
                  decode_steps=32, bookkeeping_context=8192, peer_prompt=16384, ppl_tokens=2048, repeats=3),
 }
 
 # Cheapest first, so a run cut short still has the core figures (its JSON is rewritten after every section).
-SECTIONS = ("shared_prefill", "kv_bytes", "replay_vs_generate", "bookkeeping", "decode_large_cache", "kivi",
-            "peer_kvpress", "capture", "perplexity", "needle", "app")
+SECTIONS = ("shared_prefill", "batched_compare", "kv_bytes", "replay_vs_generate", "bookkeeping", "decode_large_cache",
+            "kivi", "peer_kvpress", "capture", "perplexity", "needle", "app")
 
 
 @dataclass
@@ -332,6 +334,16 @@ def comparison_specs(budget: int, prompt: int, count: int = 5) -> list[str]:
     return specs
 
 
+def batched_specs(budget: int, prompt: int) -> list[str]:
+    """The comparison of issue 13 at ``budget`` tokens (256 at a 2K prompt): full, StreamingLLM, SnapKV, H2O, KIVI
+    2-bit and SnapKV+KIVI, those installed."""
+    snapkv = budget_spec("snapkv", budget, prompt)
+    specs = ["full", budget_spec("streaming_llm", budget, prompt), snapkv, budget_spec("h2o", budget, prompt)]
+    if "kivi" in REGISTRY:
+        specs += ["kivi:bits=2", snapkv and f"{snapkv}+kivi:bits=2"]
+    return [spec for spec in specs if spec]
+
+
 def _decode_step(session: PromptSession, spec: str, steps: int) -> tuple[float, KVCache]:
     """Median seconds per decode step of ``spec`` after the session's prompt (teacher-forced, so every method does
     the same number of steps). The median of per-step times shrugs off the odd step a busy machine slows down."""
@@ -385,6 +397,45 @@ def section_shared_prefill(loaded: LoadedModel, sizes: Sizes, log: Log, state: d
                 note="~1: N methods cost one prefill plus N decodes")
     same = all(r.token_ids == t for r, t in zip(shared_results, independent_tokens, strict=True))
     section.add("same_tokens_as_independent", same, target="== True")
+    return section
+
+
+def section_batched_compare(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> Section:
+    """compare() of six configurations: every method in one batch (one forward per step for all) vs one method after
+    another, both after the same shared prefill; the runs alternate so a slow spell of the machine hits both."""
+    section = Section("batched_compare", "Comparison of 6 configurations: batched vs sequential decode")
+    n = _fit(loaded, sizes.batched_prompt, sizes.batched_tokens + 8)
+    ids = prompt_tokens(loaded, n)
+    specs = batched_specs(max(8, n // 8), n)
+    runs: dict[bool, list] = {False: [], True: []}
+    for _ in range(max(1, sizes.repeats)):
+        for batched in (False, True):
+            log(f"  {'batched' if batched else 'sequential'} comparison of {len(specs)} configurations")
+            runs[batched].append(_timed(loaded.device, lambda batched=batched: compare(
+                loaded, ids, specs, sizes.batched_tokens, batched=batched)))
+    (sequential_seconds, sequential), (batched_seconds, batched) = (min(runs[b], key=lambda r: r[0])
+                                                                  for b in (False, True))
+    pairs = list(zip(batched.results, sequential.results, strict=True))
+    full = sequential.by_method("full")
+    section.add("configurations", len(specs), note=", ".join(specs))
+    section.add("prompt_tokens", n)
+    section.add("new_tokens", sizes.batched_tokens)
+    section.add("sequential_seconds", sequential_seconds, "s", note=f"prefill {sequential.prefill_seconds:.2f} s")
+    section.add("batched_seconds", batched_seconds, "s", note=f"prefill {batched.prefill_seconds:.2f} s")
+    section.add("batched_vs_sequential", batched_seconds / sequential_seconds, "x", "<= 0.45")
+    section.add("decode_batched_vs_sequential", (batched_seconds - batched.prefill_seconds)
+                / max(1e-9, sequential_seconds - sequential.prefill_seconds), "x", note="prefill left out")
+    section.add("teacher_forced", sum(r.token_ids != full.token_ids for r in sequential.results),
+                note="configurations whose tokens part from full's (a second, teacher-forced decode)")
+    section.add("same_tokens", all(b.token_ids == s.token_ids and b.error == s.error for b, s in pairs),
+                target="== True")
+    section.add("same_bytes_and_ledgers", all(
+        b.kv_bytes_per_step == s.kv_bytes_per_step and b.kv_bytes_per_layer == s.kv_bytes_per_layer
+        and (b.ledger is None) == (s.ledger is None)
+        and (b.ledger is None or torch.equal(b.ledger.evicted_at, s.ledger.evicted_at)) for b, s in pairs),
+        target="== True")
+    section.add("largest_kl_difference", max((abs(x - y) for b, s in pairs for x, y in zip(
+        b.kl_per_step, s.kl_per_step, strict=True)), default=0.0), "nats", note="teacher-forced KL, batched vs not")
     return section
 
 
@@ -717,6 +768,7 @@ def section_needle(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> 
 
 RUNNERS = {
     "shared_prefill": section_shared_prefill,
+    "batched_compare": section_batched_compare,
     "kv_bytes": section_kv_bytes,
     "replay_vs_generate": section_replay_vs_generate,
     "capture": section_capture,

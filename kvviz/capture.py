@@ -53,6 +53,27 @@ _listeners: contextvars.ContextVar[tuple[AttentionListener, ...]] = contextvars.
 )
 
 
+class KeyPadding(Protocol):
+    """Rows of a batch whose keys were left-padded to one length (:mod:`kvviz.batch`): the mask that hides the
+    padding, ``[batch, 1, 1, keys]`` (True = attend), or None when no row is padded in this layer."""
+
+    def key_mask(self, layer_idx: int) -> torch.Tensor | None: ...
+
+
+_padding: contextvars.ContextVar[KeyPadding | None] = contextvars.ContextVar("kvviz_key_padding", default=None)
+
+
+@contextlib.contextmanager
+def padded_keys(padding: KeyPadding):
+    """Mask padded keys in the forwards run inside this block. transformers sizes its mask before the cache's update
+    runs, and eviction inside the update changes each row's length, so the mask comes from the cache instead."""
+    token = _padding.set(padding)
+    try:
+        yield
+    finally:
+        _padding.reset(token)
+
+
 @contextlib.contextmanager
 def listening(*listeners: AttentionListener):
     """Activate listeners for the forwards run inside this block (per thread: users do not see each other)."""
@@ -159,6 +180,9 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     ``dropout`` comes sixth: importing kvpress wraps every registered attention function and passes it positionally.
     """
     layer_idx = getattr(module, "layer_idx", 0)
+    padding = _padding.get()
+    if padding is not None:  # one query per row: the only mask needed is the key padding
+        attention_mask = padding.key_mask(layer_idx)
     listeners = [listener for listener in _listeners.get() if listener.wants(layer_idx)]
     if not listeners:
         return _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)

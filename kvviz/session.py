@@ -1,7 +1,8 @@
 """One prompt, many methods: prefill once (with attention statistics when asked), then fork a cache per method.
 
-A comparison of N methods costs one prefill plus N decodes. Prefill-time selection (SnapKV, H2O's initial scores)
-reads the shared statistics, so forking is exactly what an independent run of that method would do.
+A comparison of N methods costs one prefill plus one batched decode of N rows (:mod:`kvviz.batch`). Prefill-time
+selection (SnapKV, H2O's initial scores) reads the shared statistics, so forking is exactly what an independent run
+of that method would do.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvviz.batch import ROW_ERRORS, Row, decode_together
 from kvviz.cache import KVCache, rope_rotator
 from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
 from kvviz.diagnostics import quantization_report
@@ -147,11 +149,15 @@ class PromptSession:
         prefill = self.prefill(self._capture)
         trace = decode(self.loaded.model, cache, prefill.last_logits, max_new_tokens, self.loaded.device,
                        self.eos_ids, sampling, forced_tokens, keep_logprobs, progress, suffix_tokens)
-        seconds = time.perf_counter() - started
-        fed = len(suffix_tokens or []) + max(0, len(trace.token_ids) - 1)  # the last token is never fed
+        return self.result(stack, cache, trace, time.perf_counter() - started, len(suffix_tokens or [])), trace
+
+    def result(self, stack: MethodStack, cache: KVCache, trace: DecodeTrace, seconds: float,
+               suffix_length: int = 0) -> MethodResult:
+        """What a finished decode of ``stack`` reports: text, bytes (per step, per layer, split) and the ledger."""
+        fed = suffix_length + max(0, len(trace.token_ids) - 1)  # the last token is never fed
         total_tokens = len(self.prompt_ids) + fed
         breakdown = cache.nbytes()
-        result = MethodResult(
+        return MethodResult(
             method=stack.label,
             text=self._detokenize(trace.token_ids),
             token_ids=trace.token_ids,
@@ -163,7 +169,6 @@ class PromptSession:
             seconds=seconds,
             ledger=cache.ledger.trimmed(total_tokens) if cache.ledger is not None else None,
         )
-        return result, trace
 
 
 def _covers(have: CaptureConfig | None, want: CaptureConfig | None) -> bool:
@@ -185,13 +190,20 @@ def compare(
     max_new_tokens: int = 64,
     sampling: Sampling | None = None,
     progress: Progress | None = None,
+    batched: bool = True,
 ) -> Comparison:
     """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
 
     Each method's text is its own free-running output; its agreement, KL and first divergence are teacher-forced on
-    full's tokens (:mod:`kvviz.metrics`). A method whose free-running tokens equal full's needs no second decode:
-    teacher forcing would feed it exactly the inputs it already saw. A method that fails is reported with its error
-    while the others still complete.
+    full's tokens (:mod:`kvviz.metrics`). A method whose free-running tokens equal full's needs no teacher-forced
+    decode: it would feed the method exactly the inputs it already saw. A method that fails is reported with its
+    error while the others still complete.
+
+    ``batched`` (the default): one prefill, then every method decodes in one batch, one forward per step for all of
+    them (:mod:`kvviz.batch`); a method's teacher-forced twin joins at the step it first parts from full, and each
+    result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False`` decodes the methods one
+    after another after the same prefill: the baseline the batched path is tested and benchmarked against
+    (``kvviz bench --sections batched_compare``); it gives the same tokens, ledgers and bytes.
     """
     stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
     if not any(s.label == "full" for s in stacks):
@@ -201,34 +213,82 @@ def compare(
         session = PromptSession(loaded, prompt_ids)
         prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
         quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
-        results: list[MethodResult] = []
-        reference: MethodResult | None = None
-        reference_logprobs: list[torch.Tensor] = []
-        for index, stack in enumerate(stacks):
-            def report(fraction: float, message: str, index: int = index, label: str = stack.label) -> None:
-                if progress is not None:
-                    progress((index + fraction) / len(stacks), f"{label}: {message}")
-
-            try:
-                share = 1.0 if reference is None else 0.5  # the second half for a teacher-forced decode
-                result, trace = session.run(stack, max_new_tokens, sampling, keep_logprobs=True,
-                                            progress=lambda f, m, s=share, r=report: r(f * s, m))
-                if reference is None and stack.label == "full":
-                    reference, reference_logprobs = result, trace.step_logprobs
-                logprobs = trace.step_logprobs
-                if reference is not None and result.token_ids != reference.token_ids:
-                    _, forced = session.run(stack, max_new_tokens, sampling, forced_tokens=reference.token_ids,
-                                            keep_logprobs=True,
-                                            progress=lambda f, m, r=report: r(0.5 + f / 2, f"teacher-forced {m}"))
-                    logprobs = forced.step_logprobs
-                if reference is not None:
-                    scores = forced_comparison(reference_logprobs, logprobs)
-                    result.agreement_with_full, result.first_divergence = scores.agreement, scores.first_divergence
-                    result.kl_per_step, result.mean_kl = scores.kl_per_step, scores.mean_kl
-            except (SpecError, PromptError) as error:
-                result = MethodResult(method=stack.label, error=str(error))
-            except (RuntimeError, ValueError, IndexError) as error:  # one method's crash must not sink the others
-                result = MethodResult(method=stack.label, error=f"{type(error).__name__}: {error}")
-            results.append(result)
+        decode_all = _compare_batched if batched else _compare_sequential
+        results = decode_all(session, stacks, max_new_tokens, sampling, progress)
     return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,
                       quantization)
+
+
+def _error_result(label: str, error: BaseException) -> MethodResult:
+    message = str(error) if isinstance(error, (SpecError, PromptError)) else f"{type(error).__name__}: {error}"
+    return MethodResult(method=label, error=message)
+
+
+def _score(result: MethodResult, reference_logprobs: list[torch.Tensor], logprobs: list[torch.Tensor]) -> None:
+    scores = forced_comparison(reference_logprobs, logprobs)
+    result.agreement_with_full, result.first_divergence = scores.agreement, scores.first_divergence
+    result.kl_per_step, result.mean_kl = scores.kl_per_step, scores.mean_kl
+
+
+def _compare_batched(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
+                     sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
+    """Fork every method's cache, then decode them all in one batch (full first: it is the reference)."""
+    first_logits = session.prefill(session._capture).last_logits
+    rows = []
+    for index, stack in enumerate(stacks):
+        if progress is not None:
+            progress(0.05 * index / len(stacks), f"{stack.label}: compressing the prompt")
+        started = time.perf_counter()
+        try:
+            rows.append(Row(stack, session.fork(stack), first_logits, seconds=time.perf_counter() - started))
+        except ROW_ERRORS as error:
+            rows.append(Row(stack, None, first_logits, error=error))
+    full = rows[0] if rows[0].error is None and rows[0].label == "full" else None
+    report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
+    decode_together(session.loaded.model, rows, max_new_tokens, session.loaded.device, session.eos_ids, sampling,
+                    keep_logprobs=True, progress=report, reference=full)
+    reference_ok = full is not None and full.error is None
+    results = []
+    for row in rows:
+        failed = row.error or (row.twin.error if row.twin is not None else None)
+        if failed is not None:
+            results.append(_error_result(row.label, failed))
+            continue
+        seconds = row.seconds + (row.twin.seconds if row.twin is not None else 0.0)
+        result = session.result(row.stack, row.cache, row.trace, seconds)
+        if reference_ok:
+            _score(result, full.trace.step_logprobs, (row.twin or row).trace.step_logprobs)
+        results.append(result)
+    return results
+
+
+def _compare_sequential(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
+                        sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
+    """One method after another, each with its own decode (and a second, teacher-forced one when it parts from
+    full): the baseline for :func:`_compare_batched`."""
+    results: list[MethodResult] = []
+    reference: MethodResult | None = None
+    reference_logprobs: list[torch.Tensor] = []
+    for index, stack in enumerate(stacks):
+        def report(fraction: float, message: str, index: int = index, label: str = stack.label) -> None:
+            if progress is not None:
+                progress((index + fraction) / len(stacks), f"{label}: {message}")
+
+        try:
+            share = 1.0 if reference is None else 0.5  # the second half for a teacher-forced decode
+            result, trace = session.run(stack, max_new_tokens, sampling, keep_logprobs=True,
+                                        progress=lambda f, m, s=share, r=report: r(f * s, m))
+            if reference is None and stack.label == "full":
+                reference, reference_logprobs = result, trace.step_logprobs
+            logprobs = trace.step_logprobs
+            if reference is not None and result.token_ids != reference.token_ids:
+                _, forced = session.run(stack, max_new_tokens, sampling, forced_tokens=reference.token_ids,
+                                        keep_logprobs=True,
+                                        progress=lambda f, m, r=report: r(0.5 + f / 2, f"teacher-forced {m}"))
+                logprobs = forced.step_logprobs
+            if reference is not None:
+                _score(result, reference_logprobs, logprobs)
+        except ROW_ERRORS as error:  # one method's crash must not sink the others
+            result = _error_result(stack.label, error)
+        results.append(result)
+    return results

@@ -62,14 +62,12 @@ def test_bad_method_parameters_are_shown_beside_the_widget():
 
 
 def test_a_crash_inside_one_method_leaves_the_others_standing(monkeypatch):
-    original = kvviz.session.PromptSession.run
+    from kvviz.methods.window import Window
 
-    def flaky(self, spec, *args, **kwargs):
-        if "window" in str(getattr(spec, "label", spec)):
-            raise RuntimeError("simulated kernel failure")
-        return original(self, spec, *args, **kwargs)
+    def flaky(self, view):
+        raise RuntimeError("simulated kernel failure")
 
-    monkeypatch.setattr(kvviz.session.PromptSession, "run", flaky)
+    monkeypatch.setattr(Window, "select", flaky)
     app = _run(_compare(m=["full", "window:window=8"], n="3"), "Say hi twice.")
     assert not app.exception
     table = app.dataframe[0].value
