@@ -238,9 +238,7 @@ def through_queue(user: str, job: Callable[[Callable[[float, str], None]], T],
     try:
         while not ticket.done.wait(0.2):
             ticket.touch()
-            place = queue.position(ticket)
-            progress(ticket.fraction, f"Queued behind {place - 1} other run(s)…" if place > 1 else (
-                "Starting next…" if place == 1 else ticket.message))
+            progress(ticket.fraction, queue_message(queue.ahead(ticket), ticket))
     finally:
         if not ticket.finished:
             ticket.cancel()  # interrupted (rerun or closed page): nobody will read this result
@@ -249,6 +247,13 @@ def through_queue(user: str, job: Callable[[Callable[[float, str], None]], T],
     if ticket.status != DONE:
         raise RunFailed(ticket.error or ticket.status)
     return ticket.result
+
+
+def queue_message(ahead: int, ticket: Ticket) -> str:
+    """What the progress bar says: how many runs are ahead in line, or the run's own progress."""
+    if ahead:
+        return f"Queued behind {ahead} other run{'s' if ahead > 1 else ''}…"
+    return "Starting…" if ticket.status == "queued" else ticket.message
 
 
 def _cancel(user: str, request_key: str | None) -> None:
