@@ -20,7 +20,7 @@ from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
 from kvviz.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.needle import NeedleReport, run_needle_grid
-from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_keep_start
+from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
 from kvviz.results import Comparison, MethodResult
 from kvviz.runqueue import DONE, RunQueue, Ticket
 from kvviz.session import PromptError, PromptSession, compare, encode_prompt
@@ -136,8 +136,12 @@ def share_settings(**values: object) -> None:
             st.query_params[name] = text
 
 
-def prompt_input(key: str, default: str, height: int = 160) -> str:
-    """A prompt from a text box or an uploaded .txt/.md file (size-limited); problems are shown, not raised."""
+def prompt_input(key: str, default: str, height: int = 160) -> str | None:
+    """A prompt from a text box or an uploaded .txt/.md file (size-limited).
+
+    A rejected upload returns None (its error shown) rather than falling back to the text box: the page then runs
+    nothing until the user removes or replaces the file.
+    """
     limit = settings().max_upload_mb
     text = st.text_area("Prompt", default, height=height, key=f"{key}_text")
     upload = st.file_uploader(f"…or upload a .txt / .md file (up to {limit} MB)", type=["txt", "md"],
@@ -147,12 +151,19 @@ def prompt_input(key: str, default: str, height: int = 160) -> str:
             text = decode_upload(upload.name, upload.getvalue(), limit * 2**20)
             st.caption(f"Using **{upload.name}** ({len(text):,} characters) instead of the text box.")
         except PromptError as error:
-            st.error(str(error))
+            st.error(f"{error}. Nothing runs until you remove or replace the file.")
+            return None
     return text
 
 
-def encode(loaded: LoadedModel, text: str, chat: bool, max_new_tokens: int = 0) -> list[int] | None:
-    """Token ids of the prompt, or None after showing why it cannot run (empty, too long, no template)."""
+def encode(loaded: LoadedModel, text: str | None, chat: bool, max_new_tokens: int = 0) -> list[int] | None:
+    """Token ids of the prompt, or None after showing why it cannot run (no prompt, empty, too long, no template).
+
+    A prompt over the server's limit is refused unless the user asks to cut its middle (see
+    :func:`kvviz.prompts.truncate_middle`); once they do, only what was cut is shown, no error.
+    """
+    if text is None:
+        return None
     try:
         ids = encode_prompt(loaded.tokenizer, text, chat=chat)
     except PromptError as error:
@@ -161,11 +172,17 @@ def encode(loaded: LoadedModel, text: str, chat: bool, max_new_tokens: int = 0) 
     check = LengthCheck(len(ids), prompt_limit(model_card(loaded).context_length, settings().max_prompt_tokens,
                                                max_new_tokens))
     if check.too_long:
-        st.error(check.message)
-        if not st.toggle(f"Truncate to the first {check.limit:,} tokens", key=f"truncate_{len(ids)}_{check.limit}"):
+        if not st.toggle(f"Cut the middle to fit {check.limit:,} tokens", key=f"truncate_{len(ids)}_{check.limit}",
+                         help="Keeps the document's start and end (the question), cut before the chat template."):
+            st.error(check.message)
             return None
-        ids = truncate_keep_start(ids, check.limit)
-        st.caption(f"Running the first {check.limit:,} of {check.tokens:,} tokens.")
+        try:
+            truncation = truncate_middle(loaded.tokenizer, text, chat, check.limit)
+        except PromptError as error:
+            st.error(f"Cannot run this prompt: {error}.")
+            return None
+        st.info(truncation.message)
+        ids = truncation.token_ids
     return ids
 
 
