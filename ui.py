@@ -19,7 +19,7 @@ from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
 from kvviz.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.needle import NeedleReport
-from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_keep_start
+from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
 from kvviz.results import Comparison, MethodResult
 from kvviz.runqueue import DONE, RunQueue, Ticket
 from kvviz.runs import (
@@ -141,8 +141,12 @@ def share_settings(**values: object) -> None:
             st.query_params[name] = text
 
 
-def prompt_input(key: str, default: str, height: int = 160) -> str:
-    """A prompt from a text box or an uploaded .txt/.md file (size-limited); problems are shown, not raised."""
+def prompt_input(key: str, default: str, height: int = 160) -> str | None:
+    """A prompt from a text box or an uploaded .txt/.md file (size-limited).
+
+    A rejected upload returns None (its error shown) rather than falling back to the text box: the page then runs
+    nothing until the user removes or replaces the file.
+    """
     limit = settings().max_upload_mb
     text = st.text_area("Prompt", default, height=height, key=f"{key}_text")
     upload = st.file_uploader(f"…or upload a .txt / .md file (up to {limit} MB)", type=["txt", "md"],
@@ -152,12 +156,19 @@ def prompt_input(key: str, default: str, height: int = 160) -> str:
             text = decode_upload(upload.name, upload.getvalue(), limit * 2**20)
             st.caption(f"Using **{upload.name}** ({len(text):,} characters) instead of the text box.")
         except PromptError as error:
-            st.error(str(error))
+            st.error(f"{error}. Nothing runs until you remove or replace the file.")
+            return None
     return text
 
 
-def encode(loaded: LoadedModel, text: str, chat: bool, max_new_tokens: int = 0) -> list[int] | None:
-    """Token ids of the prompt, or None after showing why it cannot run (empty, too long, no template)."""
+def encode(loaded: LoadedModel, text: str | None, chat: bool, max_new_tokens: int = 0) -> list[int] | None:
+    """Token ids of the prompt, or None after showing why it cannot run (no prompt, empty, too long, no template).
+
+    A prompt over the server's limit is refused unless the user asks to cut its middle (see
+    :func:`kvviz.prompts.truncate_middle`); once they do, only what was cut is shown, no error.
+    """
+    if text is None:
+        return None
     try:
         ids = encode_prompt(loaded.tokenizer, text, chat=chat)
     except PromptError as error:
@@ -166,11 +177,17 @@ def encode(loaded: LoadedModel, text: str, chat: bool, max_new_tokens: int = 0) 
     check = LengthCheck(len(ids), prompt_limit(model_card(loaded).context_length, settings().max_prompt_tokens,
                                                max_new_tokens))
     if check.too_long:
-        st.error(check.message)
-        if not st.toggle(f"Truncate to the first {check.limit:,} tokens", key=f"truncate_{len(ids)}_{check.limit}"):
+        if not st.toggle(f"Cut the middle to fit {check.limit:,} tokens", key=f"truncate_{len(ids)}_{check.limit}",
+                         help="Keeps the document's start and end (the question), cut before the chat template."):
+            st.error(check.message)
             return None
-        ids = truncate_keep_start(ids, check.limit)
-        st.caption(f"Running the first {check.limit:,} of {check.tokens:,} tokens.")
+        try:
+            truncation = truncate_middle(loaded.tokenizer, text, chat, check.limit)
+        except PromptError as error:
+            st.error(f"Cannot run this prompt: {error}.")
+            return None
+        st.info(truncation.message)
+        ids = truncation.token_ids
     return ids
 
 
@@ -243,9 +260,7 @@ def through_queue(user: str, job: Callable[[Callable[[float, str], None]], T],
     try:
         while not ticket.done.wait(0.2):
             ticket.touch()
-            place = queue.position(ticket)
-            progress(ticket.fraction, f"Queued behind {place - 1} other run(s)…" if place > 1 else (
-                "Starting next…" if place == 1 else ticket.message))
+            progress(ticket.fraction, queue_message(queue.ahead(ticket), ticket))
     finally:
         if not ticket.finished:
             ticket.cancel()  # interrupted (rerun or closed page): nobody will read this result
@@ -254,6 +269,13 @@ def through_queue(user: str, job: Callable[[Callable[[float, str], None]], T],
     if ticket.status != DONE:
         raise RunFailed(ticket.error or ticket.status)
     return ticket.result
+
+
+def queue_message(ahead: int, ticket: Ticket) -> str:
+    """What the progress bar says: how many runs are ahead in line, or the run's own progress."""
+    if ahead:
+        return f"Queued behind {ahead} other run{'s' if ahead > 1 else ''}…"
+    return "Starting…" if ticket.status == "queued" else ticket.message
 
 
 def _cancel(user: str, request_key: str | None) -> None:

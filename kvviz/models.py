@@ -11,10 +11,13 @@ import importlib.util
 import os
 import re
 import shutil
+import socket
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 import torch
 
@@ -137,6 +140,42 @@ def download_hub_model(model_id: str) -> str:
         raise ModelError(f"could not download {model_id!r}: {str(error).splitlines()[0]}") from error
 
 
+HUB_PROBE_SECONDS = 3.0
+_hub_probes: dict[str, tuple[float, bool]] = {}  # endpoint -> (when probed, reachable), remembered for a minute
+
+
+def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
+    """Whether the Hugging Face hub (``HF_ENDPOINT``) accepts a connection within ``timeout`` seconds.
+
+    Without this probe, a hub id on a machine with no route to the hub blocks its user for the library's retries
+    (about 48 s) before failing. ``HF_HUB_OFFLINE=1`` answers False at once. The probe runs in a thread so that a
+    hanging name lookup cannot outlast the timeout either.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    remembered = _hub_probes.get(endpoint)
+    if remembered is not None and time.monotonic() - remembered[0] < 60:
+        return remembered[1]
+    url = urlparse(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    outcome: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname or "", port), timeout=timeout).close()
+            outcome.append(True)
+        except OSError:
+            outcome.append(False)
+
+    thread = threading.Thread(target=probe, name="kvviz-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 0.5)
+    reachable = bool(outcome and outcome[0])
+    _hub_probes[endpoint] = (time.monotonic(), reachable)
+    return reachable
+
+
 def resolve_source(name: str) -> tuple[str, bool]:
     """Map a model name to a loadable path or hub id; returns (source, is_local).
 
@@ -210,16 +249,22 @@ def load_model(
     device = resolve_device(device)
     torch_dtype = resolve_dtype(device, dtype)
     quantization = _quantization_config(weights, torch_dtype)
+    offline = not is_local and not hub_reachable()  # then only the local Hugging Face cache can answer, at once
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                                  local_files_only=offline)
         model = AutoModelForCausalLM.from_pretrained(
             source,
             dtype=torch_dtype,
             trust_remote_code=trust_remote_code,
             quantization_config=quantization,
             device_map=device if quantization is not None else None,
+            local_files_only=offline,
         )
     except OSError as error:
+        if offline:
+            raise ModelError(f"the Hugging Face hub is not reachable from this server and {name!r} is not in its "
+                             "local cache; use the embedded default or a model the server has downloaded") from error
         where = "folder" if is_local else "hub id (is the hub reachable from here?)"
         raise ModelError(f"could not load {name!r} as a {where}: {str(error).splitlines()[0]}") from error
     if quantization is None:

@@ -213,7 +213,7 @@ def run_needle_grid(
             for index, stack in enumerate(stacks):
                 if progress is not None:
                     progress((number + index / len(stacks)) / len(cases),
-                             f"{stack.label}: length {length}, depth {depth:g}, trial {trial + 1}")
+                             f"{stack.label}: length {length}, depth {depth:.0%}, trial {trial + 1} of {trials}")
                 result, _ = session.run(stack, max_new_tokens, suffix_tokens=suffix)
                 survived, step, layers = needle_eviction(result.ledger, prompt.needle_positions)
                 cells.append(NeedleCell(stack.label, length, depth, trial, mode, prompt.key, result.text,

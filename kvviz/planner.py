@@ -33,6 +33,18 @@ class Catalog:
         return card_from_config(name, config, dtype, weight_bytes=int(config["parameters"] * 2))
 
 
+    def context(self, name: str) -> int:
+        """The context length the model's card publishes (``context``), else its config's position count."""
+        config = self.models[name]
+        return int(config.get("context") or config.get("max_position_embeddings") or 0)
+
+    def contexts(self, name: str, shortest: int = 512) -> list[int]:
+        """Context lengths a slider offers for this model: doublings from ``shortest`` up to its published context."""
+        limit = max(self.context(name), shortest)
+        lengths = [shortest << k for k in range(limit.bit_length()) if shortest << k <= limit]
+        return lengths if lengths[-1] == limit else [*lengths, limit]
+
+
 def load_catalog(path: Path = CATALOG_PATH) -> Catalog:
     data = json.loads(Path(path).read_text())
     return Catalog(models=data["models"], gpus={k: float(v) for k, v in data["gpus"].items()})

@@ -206,6 +206,11 @@ def memory_figure(frame: pd.DataFrame, weight_bytes: int) -> go.Figure:
     return figure
 
 
+def integer_ticks(count: int, ticks: int = 10) -> dict:
+    """Axis settings with whole-number ticks for an axis of ``count`` steps (no 0.5 ticks on a short run)."""
+    return dict(tick0=0, dtick=max(1, math.ceil(count / ticks)), tickformat="d")
+
+
 def kv_growth_figure(per_step: dict[str, Sequence[int]]) -> go.Figure:
     """KV bytes held after each decode step, one line per method."""
     figure = go.Figure()
@@ -213,6 +218,7 @@ def kv_growth_figure(per_step: dict[str, Sequence[int]]) -> go.Figure:
         figure.add_trace(go.Scatter(y=[v / MiB for v in values], mode="lines", name=method))
     figure.update_layout(title="KV cache size during generation", xaxis_title="decode step", yaxis_title="MiB",
                          height=340, margin=dict(t=50, b=40, l=50, r=20))
+    figure.update_xaxes(**integer_ticks(max((len(v) for v in per_step.values()), default=1)))
     return figure
 
 
@@ -224,6 +230,7 @@ def kl_figure(per_step: dict[str, Sequence[float]]) -> go.Figure:
     figure.update_layout(title="How far each method's next-token distribution is from full's (teacher-forced)",
                          xaxis_title="generated token", yaxis_title="KL (nats)", height=340,
                          margin=dict(t=50, b=40, l=50, r=20))
+    figure.update_xaxes(**integer_ticks(max((len(v) for v in per_step.values()), default=1)))
     return figure
 
 
@@ -272,7 +279,7 @@ def needle_heatmaps(frame: pd.DataFrame) -> go.Figure:
             text=[[f"{v:.0%}" for v in row] for row in grid.values], texttemplate="%{text}",
             hovertemplate="depth %{x}, length %{y}: found %{z:.0%}<extra>" + method + "</extra>",
         ), row=index // columns + 1, col=index % columns + 1)
-    figure.update_xaxes(title_text="needle depth")
+    figure.update_xaxes(title_text="needle depth", type="category")  # "10%" would otherwise be read as 10
     figure.update_yaxes(title_text="prompt tokens", type="category")
     figure.update_layout(title="Needle found (share of trials)", height=320 * rows + 60,
                          margin=dict(t=80, b=40, l=60, r=20))
@@ -295,6 +302,7 @@ def needle_eviction_figure(failures: pd.DataFrame) -> go.Figure:
     figure.update_layout(title="Failures: when the needle left the cache (−1: never evicted; 0: at prefill)",
                          xaxis_title="needle depth", xaxis_tickformat=".0%", yaxis_title="eviction step",
                          height=360, margin=dict(t=50, b=40, l=50, r=20))
+    figure.update_yaxes(**integer_ticks(int(data["step"].max()) + 2 if len(data) else 1))
     return figure
 
 
@@ -313,8 +321,10 @@ def planner_context_figure(card_bytes_per_token: dict[str, float], contexts: Seq
     for name, per_token in card_bytes_per_token.items():
         figure.add_trace(go.Scatter(x=list(contexts), y=[per_token * n * batch / 1e9 for n in contexts],
                                     mode="lines+markers", name=name))
-    if gpu_gb:
-        figure.add_hline(y=gpu_gb, line_dash="dot", annotation_text=f"GPU {gpu_gb:g} GB")
+    if gpu_gb:  # a trace, not add_hline: on a log axis the hline's annotation is placed at 10^y and blows the range
+        figure.add_trace(go.Scatter(x=[min(contexts), max(contexts)], y=[gpu_gb, gpu_gb], mode="lines",
+                                    name=f"GPU {gpu_gb:g} GB", line=dict(color="black", dash="dot")))
+    # log-log: the variants differ by orders of magnitude and contexts double; every line stays straight (linear)
     figure.update_layout(title=f"KV cache for batch {batch}", xaxis_title="context (tokens)", xaxis_type="log",
                          yaxis_title="GB", yaxis_type="log", height=380, margin=dict(t=50, b=40, l=50, r=20))
     return figure

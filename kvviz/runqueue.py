@@ -93,6 +93,16 @@ class RunQueue:
             order = self._planned_order()
             return order.index(ticket) + 1 if ticket.status == QUEUED and ticket in order else 0
 
+    def ahead(self, ticket: Ticket) -> int:
+        """Runs that will finish before this one starts: the one running now plus the queued runs before it
+        (0 once it runs or finished)."""
+        with self._lock:
+            order = self._planned_order()
+            if ticket.status != QUEUED or ticket not in order:
+                return 0
+            running = self._running is not None and self._running is not ticket
+            return order.index(ticket) + int(running)
+
     def waiting(self) -> int:
         with self._lock:
             return sum(len(q) for q in self._per_user.values())

@@ -48,10 +48,10 @@ batch = col_batch.slider("Batch (concurrent sequences)", 1, 64, 1, key="batch")
 st.code(card.formula_text(seq_len, batch), language="text")
 kv = card.kv_bytes(seq_len, batch)
 st.metric("KV cache", f"{kv / 2**20:,.1f} MiB", delta=f"{kv / max(1, card.weight_bytes):.1%} of the weights",
-          delta_color="off")
+          delta_color="off", delta_arrow="off")
 lengths = [2**k for k in range(7, 16) if 2**k <= max(256, card.context_length or 8192)]
 frame = pd.DataFrame({"context": lengths, "KV cache (MiB)": [card.kv_bytes(n, batch) / 2**20 for n in lengths]})
-figure = px.line(frame, x="context", y="KV cache (MiB)", markers=True, log_x=True,
+figure = px.line(frame, x="context", y="KV cache (MiB)", markers=True,
                  title=f"KV cache grows linearly with context (batch {batch})")
 figure.add_hline(y=card.weight_bytes / 2**20, line_dash="dot", annotation_text="weights")
 st.plotly_chart(figure, width="stretch")

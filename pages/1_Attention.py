@@ -5,12 +5,14 @@ import streamlit as st
 from kvviz import plots
 from kvviz.memory import model_card
 from ui import (
+    MATRIX_SIZE,
     attention_stats,
     encode,
     page_header,
     prompt_input,
     query_value,
     require_model,
+    settings,
     share_settings,
     token_texts,
 )
@@ -24,8 +26,10 @@ DEFAULT_PROMPT = (
 
 page_header("Attention", "Where attention goes",
             "One forward pass over the prompt with kvviz's attention capture: per layer and head, how much attention "
-            "lands on the first tokens (sinks), which tokens receive the most (heavy hitters), and what each head's "
-            "pattern looks like. Long prompts are downsampled, never refused for size.")
+            f"lands on the first tokens (sinks), which tokens receive the most (heavy hitters), and what each head's "
+            f"pattern looks like. Attention matrices are block-averaged to at most {MATRIX_SIZE} bins a side; prompts "
+            f"over this server's limit ({settings().max_prompt_tokens:,} tokens) are refused unless you let the page "
+            "cut their middle.")
 
 loaded = require_model()
 card = model_card(loaded)
@@ -41,7 +45,7 @@ with st.sidebar:
                         key="head")
 share_settings(chat=chat, sinks=int(sinks), layer=layer, head=head)
 
-text = prompt_input("attention", DEFAULT_PROMPT, height=120)
+text = prompt_input("attention", query_value("prompt", DEFAULT_PROMPT, str), height=120)
 ids = encode(loaded, text, chat)
 if ids is None:
     st.stop()

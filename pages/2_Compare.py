@@ -7,7 +7,7 @@ import streamlit as st
 
 from kvviz import plots
 from kvviz.memory import model_card
-from kvviz.methods import REGISTRY
+from kvviz.methods import REGISTRY, SpecError, parse_spec
 from ui import (
     encode,
     method_configurator,
@@ -38,16 +38,19 @@ page_header("Compare", "Compare cache configurations",
 loaded = require_model()
 
 
+DEFAULT_SPECS = ("full", "streaming_llm:window=0.25", "snapkv:budget=0.25", "kivi:residual=0")
+
+
 def default_specs() -> list[str]:
-    """full, plus the first registered eviction and quantization methods with their defaults."""
-    specs = ["full"]
-    evictions = [n for n in methods_of("eviction") if n != "full"]
-    preferred = [n for n in ("streaming_llm", "snapkv", "window") if n in evictions] + evictions
-    if preferred:
-        specs.append(preferred[0])
-    quantizers = methods_of("quantization")
-    if quantizers:
-        specs.append("kivi" if "kivi" in quantizers else quantizers[0])
+    """full plus budgets relative to the prompt, so a first run on any prompt evicts and quantizes something:
+    StreamingLLM and SnapKV keep a quarter of the prompt, KIVI stores every token in 2 bits (no fp16 residual).
+    Methods this server does not register are left out."""
+    specs = []
+    for spec in DEFAULT_SPECS:
+        try:
+            specs.append(parse_spec(spec).label)
+        except SpecError:
+            continue
     return specs
 
 
@@ -60,7 +63,7 @@ with st.sidebar:
                      help="Wrap the prompt as one user turn, as the instruct model expects.")
     count = st.number_input("Configurations", 1, MAX_CONFIGS, min(MAX_CONFIGS, len(url_specs)), key="configs")
 
-text = prompt_input("compare", DEFAULT_PROMPT)
+text = prompt_input("compare", query_value("prompt", DEFAULT_PROMPT, str))
 
 st.subheader("Configurations")
 st.caption(f"{len([n for n in REGISTRY if REGISTRY[n].kind == 'eviction']) - 1} eviction and "

@@ -92,8 +92,10 @@ else:
                "least one layer. A failure with the key still cached is the model's own mistake, not the cache's.")
     if not evicted.empty:
         st.plotly_chart(plots.needle_eviction_figure(evicted), width="stretch")
-    st.dataframe(failures[["method", "length", "depth", "trial", "key", "answer", "survived", "evicted_step",
-                           "evicted_layers"]], hide_index=True, width="stretch")
+    shown = failures.assign(trial=failures["trial"] + 1)  # counted from 1, as the progress bar does
+    st.dataframe(shown[["method", "length", "depth", "trial", "key", "answer", "survived", "evicted_step",
+                        "evicted_layers"]], hide_index=True, width="stretch",
+                 column_config={"depth": st.column_config.NumberColumn("depth", format="percent")})
 
 left, right = st.columns(2)
 left.download_button("Grid as CSV", frame.to_csv(index=False), "kvviz-needle.csv", "text/csv")

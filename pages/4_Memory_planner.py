@@ -24,11 +24,11 @@ with left:
     name = st.selectbox("Model", names, index=names.index(wanted_model) if wanted_model in names else 0,
                         key="model_config")
     card = catalog.card(name)
-    limit = max(card.context_length, 4096)
-    contexts = [2**k for k in range(9, 20) if 2**k <= limit]
+    contexts = catalog.contexts(name)
     context = query_value("context", 8192)
     context = st.select_slider("Context (tokens)", contexts, value=context if context in contexts else contexts[-1],
-                               key="context")
+                               key="context", help=f"Up to the {catalog.context(name):,} tokens {name} publishes. "
+                               + catalog.models[name].get("context_note", ""))
     batch = st.number_input("Concurrent sequences (batch)", 1, 4096, query_value("batch", 8), key="batch")
     gpu = st.selectbox("GPU", gpus, index=gpus.index(wanted_gpu) if wanted_gpu in gpus else 0, key="gpu")
     weight_bits = st.select_slider("Weight bits", [4, 8, 16], value=query_value("wbits", 16) if query_value(
@@ -83,9 +83,13 @@ result = make_plan(card, catalog.models[name]["parameters"], plan)
 with right:
     st.subheader(f"{name}: {card.attention}, {card.layers} layers, {card.kv_heads} KV heads × {card.head_dim}"
                  if card.attention != "MLA" else f"{name}: MLA, {card.layers} layers, latent {card.mla_latent_dim}")
-    a, b, c, d = st.columns(4)
-    a.metric("KV per sequence", f"{result.kv_bytes_per_sequence / GB:,.2f} GB",
-             delta=f"{result.compression:,.1f}x smaller" if result.compression > 1.001 else None)
+    token_col, a, b, c, d = st.columns(5)
+    token_col.metric("KV per token (16-bit)", f"{card.kv_bytes_per_token / 1e6:,.2f} MB",
+                     help=f"{card.kv_bytes_per_token:,} bytes: 2 (K and V) × layers × KV heads × head_dim × 2 bytes"
+                     if card.attention != "MLA" else f"{card.kv_bytes_per_token:,} bytes: layers × latent × 2 bytes")
+    a.metric(f"KV per sequence ({context:,} tokens)", f"{result.kv_bytes_per_sequence / GB:,.2f} GB",
+             delta=f"{result.compression:,.1f}x smaller" if result.compression > 1.001 else None,
+             delta_color="off", delta_arrow="off")
     b.metric(f"KV for {batch}", f"{result.kv_bytes_total / GB:,.1f} GB")
     c.metric("Weights", f"{result.weight_bytes / GB:,.1f} GB")
     d.metric("Sequences that fit", f"{result.max_sequences:,}")
@@ -110,9 +114,10 @@ st.subheader("All shipped models under this plan")
 rows = []
 for other in names:
     other_card = catalog.card(other)
-    other_plan = Plan(**{**plan.__dict__, "context": min(int(context), max(other_card.context_length, 1))})
+    other_plan = Plan(**{**plan.__dict__, "context": min(int(context), max(catalog.context(other), 1))})
     outcome = make_plan(other_card, catalog.models[other]["parameters"], other_plan)
-    rows.append({"model": other, "attention": other_card.attention, "context": other_plan.context,
+    rows.append({"model": other, "attention": other_card.attention, "published context": catalog.context(other),
+                 "context planned": other_plan.context,
                  "KV bytes / token (16-bit)": other_card.kv_bytes_per_token,
                  "KV GB / sequence": round(outcome.kv_bytes_per_sequence / GB, 3),
                  "weights GB": round(outcome.weight_bytes / GB, 1), "sequences that fit": outcome.max_sequences})

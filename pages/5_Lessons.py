@@ -1,16 +1,22 @@
-"""Lessons: a guided walkthrough for a class, each step backed by a live run of the real model."""
+"""Lessons: a guided walkthrough for a class, each step backed by a live run of the real model.
+
+Each step is one function registered with :func:`step`; the material (prompts, settings, reference answers) lives
+in kvviz/lessons.py, calibrated on the default model. Adding a step means adding one function here.
+"""
+
+from collections.abc import Callable
 
 import pandas as pd
 import streamlit as st
 
 from kvviz import plots
+from kvviz.lessons import NEEDLE_CODE, RUNS, LessonRun, is_filler_token, span_of
 from kvviz.memory import model_card
+from kvviz.results import Comparison, MethodResult
 from ui import (
     attention_stats,
-    budget_spec,
     encode,
     method_output,
-    methods_of,
     page_header,
     query_value,
     require_model,
@@ -19,28 +25,15 @@ from ui import (
     token_texts,
 )
 
-STEPS = ["1 · What the cache costs", "2 · Three ways to shrink it", "3 · Attention sinks", "4 · Heavy hitters",
-         "5 · The tail risk"]
-STORY = (
-    "Every autumn the village of Hallow Creek holds a pumpkin contest. This year the judges were a baker, a "
-    "retired sailor and the school's music teacher. The baker liked the round orange pumpkins, the sailor liked "
-    "the ones shaped like boats, and the music teacher liked a small white pumpkin that a girl named Ines had "
-    "painted with musical notes. After a long argument the judges gave first prize to Ines."
-)
-NEEDLE = ("Remember this: the locker code is 7319. ", "What is the locker code? Answer with the number only.")
-FILLER = ("The hallway was painted pale green and smelled of floor polish. Students walked past the trophy case "
-          "on their way to class, talking about football and the weather. ")
+STEPS: list[tuple[str, Callable[[], None]]] = []
 
-page_header("Lessons", "Lessons: KV caches in five steps",
-            "A walkthrough for a class. Read a step, press its button, and the real model runs on this server; "
-            "numbers and outputs are measured, not pre-recorded.")
 
-loaded = require_model()
-card = model_card(loaded)
-wanted = query_value("step", 1)
-step = st.radio("Step", STEPS, index=min(len(STEPS), max(1, wanted)) - 1, horizontal=True, key="step")
-number = STEPS.index(step) + 1
-share_settings(step=number)
+def step(title: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Register a step (in order of definition) under ``title``."""
+    def register(render: Callable[[], None]) -> Callable[[], None]:
+        STEPS.append((title, render))
+        return render
+    return register
 
 
 def live(label: str) -> bool:
@@ -51,7 +44,34 @@ def live(label: str) -> bool:
     return bool(st.session_state.get(key))
 
 
-def outputs(comparison) -> None:
+def notice(text: str) -> None:
+    """What to notice in the run above."""
+    st.info(f"**Notice:** {text}", icon="👀")
+
+
+def open_elsewhere(run: LessonRun, label: str | None = None) -> None:
+    """A link to the page that explores this step further, with the same prompt and settings."""
+    st.markdown(f"[{label or f'Open this run in {run.page} →'}]({run.link()})")
+
+
+def comparison_of(run: LessonRun) -> Comparison | None:
+    ids = encode(loaded, run.prompt, run.chat, run.max_new_tokens)
+    return None if ids is None else run_comparison(loaded, ids, list(run.specs), run.max_new_tokens)
+
+
+def reference_check(run: LessonRun, full: MethodResult) -> bool:
+    """Say whether the full cache gave the answer this step was calibrated on (it may not, on another model)."""
+    if run.expected is None:
+        return True
+    if run.expected in full.text:
+        st.success(f"Reference: the full cache answers **{run.expected}**, the right answer.")
+        return True
+    st.warning(f"On this model the full cache does not answer {run.expected!r}; the step was calibrated on the "
+               "default model (SmolLM2-135M-Instruct), so its contrast may not show here.")
+    return False
+
+
+def outputs(comparison: Comparison) -> None:
     """Each method's output side by side with the divergence from full marked, then the numbers."""
     columns = st.columns(len(comparison.results))
     for column, result in zip(columns, comparison.results, strict=True):
@@ -63,7 +83,12 @@ def outputs(comparison) -> None:
     } for r in comparison.results]), hide_index=True, width="stretch")
 
 
-if number == 1:
+def answered(result: MethodResult, expected: str | None) -> str:
+    return "answers correctly" if expected and expected in result.text else "loses the answer"
+
+
+@step("1 · What the cache costs")
+def cost() -> None:
     st.markdown(f"""
 To write token *N*, the model attends over every earlier token. Recomputing their keys and values at every step
 would cost more and more as the text grows, so the model stores them once: for each token, each of the
@@ -73,19 +98,29 @@ the KV cache. It never shrinks on its own: one more token, one more slice in eve
 For this model one token costs **{card.kv_bytes_per_token:,} bytes**:
 """)
     st.code(card.formula_text(1), language="text")
-    st.markdown("Press the button to generate a short answer and watch the cache grow by the same amount at "
-                "every step: a straight line whose slope is the formula above.")
+    st.markdown("Press the button to answer a question about a short story and watch the cache grow by the same "
+                "amount at every step: a straight line whose slope is the formula above.")
+    run = RUNS["cost"]
     if live("Generate and measure"):
-        ids = encode(loaded, STORY + "\n\nWho won the pumpkin contest?", chat=True)
-        if ids is not None:
-            comparison = run_comparison(loaded, ids, ["full"], 16)
-            result = comparison.results[0]
-            st.plotly_chart(plots.kv_growth_figure({"full": result.kv_bytes_per_step}), width="stretch")
-            st.metric("Measured at the end", f"{result.kv_bytes:,} B",
-                      delta=f"formula: {result.kv_bytes_full:,} B", delta_color="off")
-            st.caption(f"Answer: {result.text}")
+        comparison = comparison_of(run)
+        if comparison is None:
+            return
+        result = comparison.results[0]
+        st.caption(f"Question: {run.prompt.splitlines()[-1]}  ·  Answer: {result.text}")
+        reference_check(run, result)
+        st.plotly_chart(plots.kv_growth_figure({"full": result.kv_bytes_per_step}), width="stretch")
+        st.metric("Measured at the end", f"{result.kv_bytes:,} B", delta=f"formula: {result.kv_bytes_full:,} B",
+                  delta_color="off", delta_arrow="off")
+        steps = len(result.kv_bytes_per_step)
+        growth = (result.kv_bytes_per_step[-1] - result.kv_bytes_per_step[0]) / max(1, steps - 1)
+        notice(f"the prompt's {comparison.prompt_tokens} tokens already cost "
+               f"{result.kv_bytes_per_step[0]:,} bytes before the first answer token; each of the {steps - 1} "
+               f"steps after adds {growth:,.0f} bytes, the formula's {card.kv_bytes_per_token:,}.")
+        open_elsewhere(run)
 
-elif number == 2:
+
+@step("2 · Three ways to shrink it")
+def levers() -> None:
     mha = 2 * card.layers * card.q_heads * card.head_dim * card.bytes_per_element
     st.markdown(f"""
 Three independent levers shrink the cache, and their savings multiply:
@@ -94,34 +129,35 @@ Three independent levers shrink the cache, and their savings multiply:
   {card.q_heads} query heads sharing {card.kv_heads} KV heads: it stores {card.kv_bytes_per_token:,} bytes per token
   where giving every query head its own K and V would take {mha:,}. The Memory planner page shows the same lever
   on large models, including DeepSeek's latent cache (MLA).
-- **Eviction** — keep fewer tokens. A method guesses which entries future tokens will not need and drops them.
-- **Quantization** — keep every token but store each number in fewer bits, plus a little metadata (a scale and a
-  zero point per group) to decode them.
+- **Eviction** — keep fewer tokens. SnapKV lets the prompt's last queries vote for the tokens worth keeping and
+  drops the rest once, after the prompt.
+- **Quantization** — keep every token but store each number in fewer bits, plus a little metadata to decode them.
+  KIVI stores keys in groups along each channel and values in groups along each token (2 bits per number, one
+  fp16 scale and zero point per group of 32).
 
-The run below keeps the architecture fixed and compares one eviction and one quantization method with the full
-cache on the same prompt.
+The run below keeps the architecture fixed and compares one eviction and one quantization setting with the full
+cache on the same question.
 """)
+    run = RUNS["levers"]
     if live("Compare the levers"):
-        specs = ["full"]
-        eviction = next((s for s in (budget_spec(n, 48) for n in ("snapkv", "streaming_llm", "window",
-                                                                   *methods_of("eviction")) if n != "full") if s),
-                        None)
-        specs += [eviction] if eviction else []
-        quantizers = methods_of("quantization")
-        specs += quantizers[:1]
-        if len(specs) == 1:
-            st.info("No eviction or quantization method is registered on this server yet; only the full cache runs.")
-        ids = encode(loaded, STORY + "\n\nWho were the judges?", chat=True)
-        if ids is not None:
-            comparison = run_comparison(loaded, ids, specs, 16)
-            outputs(comparison)
-            memory = pd.DataFrame([{"method": r.method, "codes": r.kv_breakdown.codes,
-                                    "metadata": r.kv_breakdown.metadata,
-                                    "full_precision": r.kv_breakdown.full_precision, "formula": r.kv_bytes_full}
-                                   for r in comparison.results if r.error is None])
-            st.plotly_chart(plots.memory_figure(memory, card.weight_bytes), width="stretch")
+        comparison = comparison_of(run)
+        if comparison is None:
+            return
+        outputs(comparison)
+        full, *others = comparison.results
+        reference_check(run, full)
+        memory = pd.DataFrame([{"method": r.method, "codes": r.kv_breakdown.codes,
+                                "metadata": r.kv_breakdown.metadata, "full_precision": r.kv_breakdown.full_precision,
+                                "formula": r.kv_bytes_full} for r in comparison.results if r.error is None])
+        st.plotly_chart(plots.memory_figure(memory, card.weight_bytes), width="stretch")
+        notice("; ".join(f"**{r.method}** holds {r.kv_bytes:,} bytes ({r.compression or 0:.1f}x smaller than full) "
+                         f"and {answered(r, run.expected)}" for r in others if r.error is None)
+               + ". Smaller is not automatically worse, and similar savings can fail differently: read the answers.")
+        open_elsewhere(run)
 
-elif number == 3:
+
+@step("3 · Attention sinks")
+def sinks() -> None:
     st.markdown("""
 Softmax forces every query to hand out a full unit of attention, even when nothing earlier is relevant. Trained
 models learn to park that surplus on the very first tokens, which are visible to every query. Those tokens become
@@ -131,57 +167,123 @@ The consequence for eviction is blunt. A sliding window that drops the first tok
 attention rests, and the distribution over the remaining tokens changes everywhere at once. Keeping a handful of
 sink tokens next to the window (the StreamingLLM recipe) avoids that.
 """)
+    run = RUNS["sinks"]
     if live("Measure the sinks"):
-        ids = encode(loaded, STORY, chat=False)
-        if ids is not None:
-            stats = attention_stats(loaded, ids, card.layers // 2, 4)
-            per_layer = stats.sink_mass_per_layer()
-            st.plotly_chart(plots.sink_mass_figure(per_layer, 4), width="stretch")
-            st.metric("Attention on the first 4 tokens (mean over layers)", f"{sum(per_layer) / len(per_layer):.0%}",
-                      delta=f"they are {4 / len(ids):.0%} of the prompt", delta_color="off")
-            specs = [s for s in (budget_spec("window", 40), budget_spec("streaming_llm", 40)) if s]
-            if specs:
-                st.markdown("The same small budget with and without sinks:")
-                outputs(run_comparison(loaded, encode(loaded, STORY + "\n\nWho won?", chat=True) or ids,
-                                       ["full", *specs], 16))
+        ids = encode(loaded, run.prompt, run.chat)
+        if ids is None:
+            return
+        stats = attention_stats(loaded, ids, card.layers // 2, 4)
+        per_layer = stats.sink_mass_per_layer()
+        st.plotly_chart(plots.sink_mass_figure(per_layer, 4), width="stretch")
+        share = sum(per_layer) / len(per_layer)
+        st.metric("Attention on the first 4 tokens (mean over layers)", f"{share:.0%}",
+                  delta=f"they are {4 / len(ids):.0%} of the prompt", delta_color="off", delta_arrow="off")
+        st.markdown("The same 40-token budget without sinks (`window`) and with 4 of them (`streaming_llm`):")
+        comparison = comparison_of(run)
+        if comparison is None:
+            return
+        outputs(comparison)
+        full, window, streaming = comparison.results
+        reference_check(run, full)
+        notice(f"the first 4 of {len(ids)} tokens receive {share:.0%} of the attention. With the same 40 tokens "
+               f"cached, the window without them {answered(window, run.expected)} "
+               f"(agreement with full {window.agreement_with_full or 0:.0%}), the window with them "
+               f"{answered(streaming, run.expected)} (agreement {streaming.agreement_with_full or 0:.0%}).")
+        open_elsewhere(run)
+        open_elsewhere(LessonRun(run.prompt, chat=run.chat, page="Attention", extra={"sinks": 4}),
+                       "See where this prompt's attention goes in Attention →")
 
-elif number == 4:
+
+@step("4 · Heavy hitters")
+def heavy() -> None:
     st.markdown("""
-Attention is not spread evenly over the rest of the prompt either. A few tokens (names, numbers, the words a
-question will ask about) receive far more attention than their neighbours, and they keep receiving it. These are
-**heavy hitters**. Score-based eviction methods keep the tokens with the most accumulated attention (H2O), the
-ones the last few prompt tokens look at (SnapKV), or the ones the newest query looks at (TOVA), and drop the rest.
+Attention is not spread evenly over the rest of the prompt either. A few tokens keep receiving far more attention
+than their neighbours: these are **heavy hitters**. Score-based eviction methods keep the tokens with the most
+accumulated attention (H2O), the ones the last few prompt tokens look at (SnapKV), or the ones the newest query
+looks at (TOVA), and drop the rest. Which tokens those are is worth looking at before trusting them with a budget:
+they are not always the words a reader would call important.
 
 Below, every token of the story is shaded by the attention it receives per query, averaged over all layers; the
 first four tokens (the sinks) are left out of the colour scale so the heavy hitters show.
 """)
+    run = RUNS["heavy"]
     if live("Find the heavy hitters"):
-        ids = encode(loaded, STORY, chat=False)
-        if ids is not None:
-            stats = attention_stats(loaded, ids, card.layers // 2, 4, every_layer=True)
-            scores = sum(plots.received_attention(stats.key_attention[k], 4) for k in stats.key_attention)
-            st.html(plots.token_shading_html(token_texts(loaded.name, tuple(ids), loaded.tokenizer), scores))
-            ranked = sorted(range(4, len(ids)), key=lambda i: -scores[i])[:8]
-            tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)
-            st.caption("Most attended (after the sinks): " + ", ".join(f"`{tokens[i].strip()}`" for i in ranked))
+        ids = encode(loaded, run.prompt, run.chat)
+        if ids is None:
+            return
+        stats = attention_stats(loaded, ids, card.layers // 2, 4, every_layer=True)
+        scores = sum(plots.received_attention(stats.key_attention[k], 4) for k in stats.key_attention)
+        tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)
+        st.html(plots.token_shading_html(tokens, scores))
+        ranked = sorted(range(4, len(ids)), key=lambda i: -scores[i])
+        top = ranked[:8]
+        st.caption("Most attended (after the sinks): " + ", ".join(f"`{tokens[i].strip() or '↵'}` (#{i})"
+                                                                   for i in top))
+        filler = sum(is_filler_token(tokens[i]) for i in top)
+        name = next((i for i in ranked if tokens[i].strip() == "Ines"), None)
+        where = f"ranks {ranked.index(name) + 1} of {len(ranked)}" if name is not None else "is not a single token"
+        notice(f"{filler} of the 8 most attended tokens are punctuation or function words: in this model such "
+               f"tokens soak up attention, much like the sinks do. The winner's name, `Ines`, {where}. A method "
+               "that keeps only heavy hitters keeps these tokens first; whether the content survives depends on "
+               "what else fits in the budget.")
+        open_elsewhere(run, "Explore per layer and head in Attention →")
 
-else:
+
+@step("5 · The tail risk")
+def tail() -> None:
     st.markdown("""
 Averages hide the failure that matters. Most of an answer survives aggressive eviction: the grammar, the style, the
 general topic. But a question often hinges on **one** token, and a method that guessed wrong about that token
 answers confidently and wrongly. Nothing in the output says a token was dropped.
 
 The prompt below hides a code near the start, buries it under filler and asks for it at the end. The full cache
-is the reference; the eviction methods keep a fixed budget. Compare the answers, not just the agreement score.
-Quantization has its own version of this risk: fine on average, off on the one number that needed precision.
+is the reference; the eviction methods keep a fixed budget of 32 tokens. Compare the answers, not just the
+agreement score. Quantization has its own version of this risk: fine on average, off on the one number that needed
+precision.
 """)
+    run = RUNS["needle"]
     if live("Hide the needle"):
-        prompt = NEEDLE[0] + FILLER * 6 + NEEDLE[1]
-        ids = encode(loaded, prompt, chat=True)
-        if ids is not None:
-            specs = ["full"] + [s for s in (budget_spec("streaming_llm", 32), budget_spec("snapkv", 32, window=16),
-                                            budget_spec("h2o", 32)) if s]
-            if len(specs) == 1:
-                st.info("No eviction method is registered on this server yet; only the full cache runs.")
-            outputs(run_comparison(loaded, ids, specs, 8))
-            st.caption(f"The prompt has {len(ids)} tokens; the code sits in the first dozen.")
+        comparison = comparison_of(run)
+        if comparison is None:
+            return
+        outputs(comparison)
+        full, *others = comparison.results
+        reference_check(run, full)
+        ids = comparison.prompt_ids
+        needle = span_of(loaded.tokenizer, ids, NEEDLE_CODE)
+        tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)
+        where = (f"tokens {needle[0]}–{needle[-1]}" if len(needle) > 1 else f"token {needle[0]}") if needle else "?"
+        st.caption(f"The prompt has {len(ids)} tokens; the code {NEEDLE_CODE} sits at {where} "
+                   "(counted from 0, chat template included).")
+        st.markdown("**Which prompt tokens each method kept** after the prompt (share of the layers × KV heads "
+                    "that still cache each token: green all, amber some, red none):")
+        for result in others:
+            if result.ledger is None:
+                continue
+            mask = result.ledger.kept_mask(0, comparison.prompt_tokens)
+            fraction = plots.kept_fraction(mask.reshape(-1, mask.shape[-1]))
+            kept = [float(fraction[i]) for i in needle]
+            st.markdown(f"`{result.method}` — the code's tokens are kept by "
+                        + ", ".join(f"{share:.0%}" for share in kept) + " of layer-heads; it "
+                        + answered(result, run.expected) + ".")
+            st.html(plots.kept_map_html(tokens, fraction))
+        notice("a method answers the code only while the code's tokens are still cached: check the colour of "
+               f"tokens {where} above against each answer.")
+        open_elsewhere(run)
+        open_elsewhere(LessonRun(run.prompt, page="Needle",
+                                 extra={"m": list(run.specs[:3]), "len": 256, "depth": [0.1, 0.5, 0.9]}),
+                       "Try hidden keys at other depths and lengths in Needle →")
+
+
+page_header("Lessons", f"Lessons: KV caches in {len(STEPS)} steps",
+            "A walkthrough for a class. Read a step, press its button, and the real model runs on this server; "
+            "numbers and outputs are measured, not pre-recorded.")
+
+loaded = require_model()
+card = model_card(loaded)
+titles = [title for title, _ in STEPS]
+wanted = query_value("step", 1)
+chosen = st.radio("Step", titles, index=min(len(titles), max(1, wanted)) - 1, horizontal=True, key="step")
+number = titles.index(chosen) + 1
+share_settings(step=number)
+STEPS[number - 1][1]()

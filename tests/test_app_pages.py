@@ -89,7 +89,8 @@ def test_memory_planner_numbers():
                gpu="NVIDIA A100 (80 GB)")
     assert not app.exception
     metrics = {m.label: m.value for m in app.metric}
-    assert metrics["KV per sequence"] == "1.07 GB" and metrics["Weights"] == "16.1 GB"
+    assert metrics["KV per sequence (8,192 tokens)"] == "1.07 GB" and metrics["Weights"] == "16.1 GB"
+    assert metrics["KV per token (16-bit)"] == "0.13 MB"
     assert int(metrics["Sequences that fit"]) == 52
     app.select_slider(key="kvbits").set_value(2).run()
     app.radio(key="evict").set_value("ratio").run()
@@ -108,3 +109,11 @@ def test_lessons_step_runs_live(step):
     app.button(key=f"lesson_button_{step}").click().run()
     assert not app.exception and not app.error
     assert any(c.value.startswith("Most attended") for c in app.caption)
+
+
+def test_lessons_every_step_renders_with_its_link():
+    app = page("5_Lessons.py", step="1")
+    for index in range(len(app.radio(key="step").options)):
+        app.radio(key="step").set_value(app.radio(key="step").options[index]).run()
+        assert not app.exception and not app.error
+    assert app.query_params["step"] == str(len(app.radio(key="step").options))

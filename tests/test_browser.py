@@ -208,10 +208,113 @@ def test_bad_uploads_get_a_message_and_the_page_keeps_working(server, tmp_path):
             page.get_by_text("looks binary").wait_for(timeout=60_000)
             settle(page)
             no_exception(page)
+            assert page.get_by_role("button", name="Run comparison").is_disabled(), "a rejected upload runs nothing"
             upload.set_input_files(str(latin))
             page.get_by_text("is not UTF-8 text").wait_for(timeout=60_000)
             settle(page)
             no_exception(page)
             assert page.get_by_role("button", name="Run comparison").is_visible(), "the page still works"
+            assert page.get_by_role("button", name="Run comparison").is_disabled(), "no silent fallback to the box"
+        finally:
+            browser.close()
+
+
+def _browser(playwright):
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                      args=["--no-sandbox", "--disable-dev-shm-usage"])
+
+
+def test_compare_defaults_evict_quantize_and_depart_from_full(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = _browser(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{server}/Compare", timeout=120_000)
+            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
+            settle(page)
+            page.get_by_role("button", name="Run comparison").click()
+            page.get_by_text("configurations on").wait_for(timeout=600_000)
+            settle(page)
+            no_exception(page)
+            body = page.inner_text("body")
+            assert "Nothing was evicted" not in body and "of prompt tokens cached" in body
+            divergences = body.count("first divergence none")
+            assert body.count("agreement with full") - divergences >= 1, "at least one output departs from full"
+            shoot(page, "compare-defaults", anchor="Outputs")
+        finally:
+            browser.close()
+
+
+def test_long_upload_is_cut_in_the_middle_without_an_error(server, tmp_path):
+    from playwright.sync_api import sync_playwright
+
+    long_file = tmp_path / "play.txt"
+    long_file.write_text("ACT ONE. The storm rolled over the harbour. " + "The sailors ran. " * 2500
+                         + "\n\nQuestion: what rolled over the harbour?")
+    with sync_playwright() as playwright:
+        browser = _browser(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{server}/Compare?m=full&n=2", timeout=120_000)
+            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
+            settle(page)
+            page.locator('[data-testid="stFileUploader"] input[type="file"]').first.set_input_files(str(long_file))
+            page.get_by_text("Cut the middle to fit").wait_for(timeout=120_000)
+            settle(page)
+            assert page.locator('[data-testid="stAlertContentError"]').count() == 1
+            page.get_by_text("Cut the middle to fit").click()
+            page.get_by_text("from the middle of the document").wait_for(timeout=120_000)
+            settle(page)
+            no_exception(page)
+            assert page.locator('[data-testid="stAlertContentError"]').count() == 0, "no error once accepted"
+            assert page.get_by_role("button", name="Run comparison").is_enabled()
+        finally:
+            browser.close()
+
+
+def test_planner_at_128k_and_the_llama_13b_numbers(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = _browser(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{server}/Memory_planner?model_config=Llama-3.1-70B&context=131072&batch=1",
+                      timeout=120_000)
+            page.get_by_text("KV per sequence (131,072 tokens)").wait_for(timeout=120_000)
+            settle(page)
+            no_exception(page)
+            assert "42.95 GB" in page.inner_text("body"), "a 128K context pins tens of GB per sequence"
+            ticks = page.locator(".js-plotly-plot .ytick text").all_inner_texts()
+            assert ticks and not any("e+" in t or len(t) > 8 for t in ticks), ticks
+            shoot(page, "planner-128k")
+            page.goto(f"{server}/Memory_planner?model_config=LLaMA-13B&context=2048&batch=1", timeout=120_000)
+            page.get_by_text("KV per sequence (2,048 tokens)").wait_for(timeout=120_000)
+            settle(page)
+            body = page.inner_text("body")
+            assert "0.82 MB" in body and "1.68 GB" in body
+        finally:
+            browser.close()
+
+
+def test_lesson_steps_show_a_correct_reference(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = _browser(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            for step, button in ((1, "Generate and measure"), (2, "Compare the levers"), (3, "Measure the sinks"),
+                                 (5, "Hide the needle")):
+                page.goto(f"{server}/Lessons?step={step}", timeout=120_000)
+                page.get_by_role("button", name=button).wait_for(timeout=180_000)
+                settle(page)
+                page.get_by_role("button", name=button).click()
+                page.get_by_text("Reference: the full cache answers").wait_for(timeout=600_000)
+                settle(page)
+                no_exception(page)
+                shoot(page, f"lessons-step{step}")
         finally:
             browser.close()

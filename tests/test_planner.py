@@ -65,3 +65,24 @@ def test_weights_that_do_not_fit(catalog):
     outcome = make_plan(catalog.card("DeepSeek-V2"), catalog.models["DeepSeek-V2"]["parameters"],
                         Plan(context=4096, gpu_gb=80))
     assert outcome.max_sequences == 0 and not outcome.fits
+
+
+def test_published_contexts_reach_128k_and_the_sliders_offer_them(catalog):
+    for name in ("Llama-3.1-70B", "Llama-3.1-8B", "DeepSeek-V2", "Qwen2.5-7B"):
+        assert catalog.context(name) == 131072, name
+        assert catalog.contexts(name)[-1] == 131072
+    assert catalog.context("Mistral-7B-v0.3") == 32768
+    assert "YaRN" in catalog.models["Qwen2.5-7B"]["context_note"]
+    # at 128K one Llama-3.1-70B sequence pins tens of GB in 16 bits (80 layers x 8 KV heads x 128 x 2 x 2 B)
+    result = make_plan(catalog.card("Llama-3.1-70B"), catalog.models["Llama-3.1-70B"]["parameters"],
+                       Plan(context=131072))
+    assert 40 < result.kv_bytes_per_sequence / GB < 45
+
+
+def test_llama_13b_worked_numbers(catalog):
+    card = catalog.card("LLaMA-13B")
+    assert (card.layers, card.q_heads, card.kv_heads, card.head_dim, card.attention) == (40, 40, 40, 128, "MHA")
+    assert card.kv_bytes_per_token == 819_200  # about 1 MB per token
+    assert 2048 in catalog.contexts("LLaMA-13B")
+    two_k = make_plan(card, catalog.models["LLaMA-13B"]["parameters"], Plan(context=2048))
+    assert round(two_k.kv_bytes_per_sequence / GB, 2) == 1.68  # about 1.7 GB for a 2K-token sequence in fp16

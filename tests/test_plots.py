@@ -72,7 +72,9 @@ def test_needle_figures():
 
 def test_planner_figures():
     figure = plots.planner_context_figure({"MHA": 1000.0, "GQA": 250.0}, [1024, 2048], batch=2, gpu_gb=80)
-    assert len(figure.data) == 2 and figure.data[0].y[0] == 1000 * 1024 * 2 / 1e9
+    assert len(figure.data) == 3 and figure.data[0].y[0] == 1000 * 1024 * 2 / 1e9
+    assert list(figure.data[2].y) == [80, 80], "the GPU line is a trace in data units"
+    assert not figure.layout.annotations, "an annotation on a log axis is read as 10^y (the 10^78 GB axis)"
     assert len(plots.gpu_budget_figure(16, 8, 72, 80).data) == 2
 
 
@@ -85,3 +87,15 @@ def test_kv_growth_and_kl_lines():
 def test_reconstruction_figure_pairs_keys_and_values():
     figure = plots.reconstruction_figure({"kivi": ([0.1, 0.2], [0.05, 0.06])})
     assert [t.name for t in figure.data] == ["kivi keys", "kivi values"]
+
+
+def test_step_axes_tick_whole_numbers_and_needle_depths_are_categories():
+    short = plots.kv_growth_figure({"full": [1, 2, 3]})
+    assert short.layout.xaxis.dtick == 1 and short.layout.xaxis.tickformat == "d"
+    assert plots.kl_figure({"snapkv": [0.1] * 200}).layout.xaxis.dtick == 20
+    import pandas as pd
+
+    frame = pd.DataFrame({"method": ["full"] * 3, "length": [128] * 3, "depth": [0.1, 0.5, 0.9],
+                          "found": [True, False, True]})
+    figure = plots.needle_heatmaps(frame)
+    assert figure.layout.xaxis.type == "category" and list(figure.data[0].x) == ["10%", "50%", "90%"]

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_keep_start
+from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
 from kvviz.session import PromptError
 
 
@@ -27,5 +27,17 @@ def test_length_limit_leaves_room_for_generation():
     assert prompt_limit(8192, 4096, 256) == 4096
     assert prompt_limit(2048, 4096, 256) == 1792
     check = LengthCheck(tokens=5000, limit=4096)
-    assert check.too_long and "5,000 tokens" in check.message and "Truncate" in check.message
-    assert truncate_keep_start(list(range(10)), 4) == [0, 1, 2, 3]
+    assert check.too_long and "5,000 tokens" in check.message and "Cut it in the middle" in check.message
+
+
+def test_truncation_cuts_the_middle_and_keeps_the_question_and_the_template_end(real_model):
+    tokenizer = real_model.tokenizer
+    document = "Once upon a time there was a lighthouse. " + "The waves rolled in and out. " * 300 + \
+        "\n\nQuestion: what stood on the cliff?"
+    cut = truncate_middle(tokenizer, document, chat=True, limit=200)
+    text = tokenizer.decode(cut.token_ids)
+    assert len(cut.token_ids) <= 200
+    assert "Once upon a time there was a lighthouse." in text, "the start survives"
+    assert text.rstrip().endswith("what stood on the cliff?<|im_end|>\n<|im_start|>assistant"), "question + template"
+    assert cut.kept_start + cut.kept_end < cut.document_tokens
+    assert f"last {cut.kept_end:,} tokens" in cut.message and "from the middle" in cut.message

@@ -93,3 +93,20 @@ def test_a_running_job_whose_page_stopped_polling_is_abandoned():
 
     ticket = queue.submit("gone", long_job)
     assert ticket.done.wait(5) and ticket.status == ABANDONED
+
+
+def test_the_third_of_three_users_is_told_two_runs_are_ahead():
+    from ui import queue_message
+
+    queue = RunQueue()
+    gate, job = _blocker()
+    first = queue.submit("alice", job)
+    while first.status != "running":
+        time.sleep(0.01)
+    second = queue.submit("bob", lambda progress: "b")
+    third = queue.submit("carol", lambda progress: "c")
+    assert (queue.ahead(first), queue.ahead(second), queue.ahead(third)) == (0, 1, 2)
+    assert queue_message(queue.ahead(third), third) == "Queued behind 2 other runs…"
+    assert queue_message(queue.ahead(second), second) == "Queued behind 1 other run…"
+    gate.set()
+    assert third.done.wait(5) and queue.ahead(third) == 0

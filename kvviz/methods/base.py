@@ -23,13 +23,35 @@ class SpecError(ValueError):
 
 @dataclass(frozen=True)
 class Budget:
-    """A token budget given as a count (``256``) or as a ratio of a reference length (``0.25``)."""
+    """A token budget: a count (``256``, written without a decimal point) or a ratio of a reference length (``0.25``,
+    ``1.0`` = all of it, written with one). :meth:`read` applies that rule to what users type."""
 
     value: float
+    ratio: bool | None = None  # None: decided by the value (below 1 is a ratio), for budgets built in code
+
+    RULE: ClassVar[str] = "a token count without a decimal point (256) or a ratio of the prompt with one (0.25, 1.0)"
+
+    def __post_init__(self) -> None:
+        if self.ratio is None:
+            object.__setattr__(self, "ratio", self.value < 1)
+
+    @classmethod
+    def read(cls, raw: Any) -> Budget:
+        """A budget from a SPEC value or a Python number: a decimal point (or a float) makes it a ratio."""
+        if isinstance(raw, Budget):
+            return raw
+        if isinstance(raw, bool):
+            raise ValueError("a budget is a number")
+        text = str(raw).strip()
+        is_ratio = isinstance(raw, float) or any(mark in text for mark in ".eE")
+        value = float(text)
+        if not math.isfinite(value) or value <= 0 or (is_ratio and value > 1) or (not is_ratio and value % 1):
+            raise ValueError(f"budget {text}: expected {cls.RULE}")
+        return cls(value, is_ratio)
 
     @property
     def is_ratio(self) -> bool:
-        return self.value < 1
+        return bool(self.ratio)
 
     def tokens(self, length: int) -> int:
         """Tokens this budget allows for a sequence of ``length`` tokens (at least one)."""
@@ -38,7 +60,10 @@ class Budget:
         return int(self.value)
 
     def __str__(self) -> str:
-        return f"{self.value:g}"
+        if not self.is_ratio:
+            return str(int(self.value))
+        text = f"{self.value:g}"
+        return text if any(mark in text for mark in ".e") else f"{text}.0"
 
 
 @dataclass(frozen=True)
@@ -59,7 +84,7 @@ class Param:
         if self.type is bool:
             return "0|1"
         if self.type is Budget:
-            return "token count >= 1 or ratio in (0, 1)"
+            return f"{Budget.RULE}; a ratio lies in (0, 1]"
         low = "-inf" if self.min is None else f"{self.min:g}"
         high = "inf" if self.max is None else f"{self.max:g}"
         return f"{self.type.__name__} in [{low}, {high}]"
@@ -78,9 +103,7 @@ class Param:
                 else:
                     raise ValueError
             elif self.type is Budget:
-                value = raw if isinstance(raw, Budget) else Budget(float(raw))
-                if not math.isfinite(value.value) or value.value <= 0 or (value.value >= 1 and value.value % 1):
-                    raise ValueError
+                value = Budget.read(raw)
             elif self.type is int:
                 as_float = float(raw)
                 if not as_float.is_integer():

@@ -12,7 +12,8 @@ class TOVA(EvictionMethod):
     name = "tova"
     summary = ("Token omission via attention: whenever the cache is over budget, drop the tokens with the lowest "
                "attention from the newest query, averaged over all heads of the layer.")
-    params = (Param("budget", Budget, 512, "tokens kept per layer: a count, or a ratio of the prompt"),)
+    params = (Param("budget", Budget, 512, "tokens kept per layer: a count (512)"
+                                           " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),)
     scores_attention = True
     prefill_windows = (1,)
 

@@ -51,3 +51,21 @@ def test_every_registered_method_declares_valid_defaults():
         assert method.spec() == name, "defaults print as the bare name"
         for param in cls.params:
             assert param.help, f"{name}.{param.name} needs help text"
+
+
+def test_a_budget_with_a_decimal_point_is_a_ratio_and_without_one_a_token_count():
+    budget = Param("budget", Budget, 256, "b")
+    assert budget.parse("m", "1.0").tokens(124) == 124, "1.0 is the whole prompt"
+    assert budget.parse("m", "1").tokens(124) == 1, "1 is one token"
+    assert budget.parse("m", "0.5").tokens(124) == 62
+    assert str(budget.parse("m", "1.0")) == "1.0" and str(budget.parse("m", "64")) == "64"
+    assert "decimal point" in budget.describe_range()
+
+
+def test_snapkv_budget_1_0_keeps_the_whole_prompt_and_prints_back_as_written():
+    stack = parse_spec("snapkv:budget=1.0")
+    assert stack.label == "snapkv:budget=1.0"
+    assert stack.eviction.budget_for(124) == 124
+    assert parse_spec(stack.label).label == stack.label, "the canonical SPEC reads back the same"
+    with pytest.raises(SpecError, match="decimal point"):
+        parse_spec("snapkv:budget=1")

@@ -1,0 +1,37 @@
+"""The Lessons page's material: every step's reference (the full cache) gives the right answer on the default model,
+and the settings produce the contrast the step teaches."""
+
+import pytest
+
+from kvviz.lessons import NEEDLE_CODE, RUNS, is_filler_token, span_of
+from kvviz.session import compare
+
+
+@pytest.mark.parametrize("name", [name for name, run in RUNS.items() if run.expected])
+def test_each_step_reference_answers_correctly(real_model, name):
+    run = RUNS[name]
+    full = compare(real_model, run.token_ids(real_model.tokenizer), ["full"], run.max_new_tokens).results[0]
+    assert run.expected in full.text, f"step {name!r}: the full cache answered {full.text!r}"
+
+
+def test_sinks_step_window_loses_the_answer_that_sinks_keep(real_model):
+    run = RUNS["sinks"]
+    full, window, streaming = compare(real_model, run.token_ids(real_model.tokenizer), list(run.specs),
+                                      run.max_new_tokens).results
+    assert run.expected in full.text and run.expected in streaming.text
+    assert window.agreement_with_full < streaming.agreement_with_full
+    assert window.kv_bytes == streaming.kv_bytes, "the same budget with and without sinks"
+
+
+def test_needle_position_and_filler_words(real_model):
+    run = RUNS["needle"]
+    ids = run.token_ids(real_model.tokenizer)
+    span = span_of(real_model.tokenizer, ids, NEEDLE_CODE)
+    assert NEEDLE_CODE in real_model.tokenizer.decode([ids[i] for i in span])
+    assert NEEDLE_CODE not in real_model.tokenizer.decode([ids[i] for i in span[1:]]), "the shortest span"
+    assert is_filler_token(" the") and is_filler_token(".") and not is_filler_token(" Ines")
+
+
+def test_links_carry_the_same_settings():
+    link = RUNS["sinks"].link()
+    assert link.startswith("Compare?") and "m=window%3Awindow%3D40" in link and "n=32" in link and "prompt=" in link
