@@ -109,11 +109,14 @@ class PromptSession:
         """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill."""
         if stack.eviction is not None:
             stack.eviction.check_context(len(self.prompt_ids))
+        heads = self.card.kv_heads
+        if stack.architecture is not None:
+            stack.architecture.check_model(self.card.kv_heads, self.card.head_dim)
+            heads = stack.architecture.cache_heads(heads)
         prefill = self.prefill(self._with_capture(capture_for([stack])))
         book = None
         if ledger and stack.eviction is not None:
-            book = EvictionLedger.empty(self.num_layers, self.card.kv_heads, len(self.prompt_ids),
-                                        len(self.prompt_ids) + 64)
+            book = EvictionLedger.empty(self.num_layers, heads, len(self.prompt_ids), len(self.prompt_ids) + 64)
         return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys)
 
     def _detokenize(self, token_ids: list[int]) -> str:
