@@ -94,17 +94,18 @@ class AxisFactors:
                 "measured_bytes": self.measured_bytes}
 
 
-def axis_factors(cache, kv_heads: int, head_dim: int, tokens_seen: int, bytes_per_element: int) -> AxisFactors:
+def axis_factors(cache, kv_heads: int, head_dim: int, tokens_seen: int, bytes_per_element: int,
+                 full_bytes: int | None = None) -> AxisFactors:
     """The three factors of a finished cache, each from its own axis, next to the bytes it measures.
 
     Architecture from the method's formula, eviction from the entries still cached, quantization from the quantizer's
     bits per element at the stored vector size over the dtype's bits. ``tokens_seen``: tokens that entered the cache.
     The product misses the measured bytes only by what the quantizer holds beyond its formula (a full-precision
-    residual) or below it.
+    residual) or below it. ``full_bytes``: what the model's full cache holds (default: the K/V formula).
     """
     stack = cache.stack
     layers = len(cache.layers)
-    full = 2 * layers * kv_heads * head_dim * tokens_seen * bytes_per_element
+    full = full_bytes or 2 * layers * kv_heads * head_dim * tokens_seen * bytes_per_element
     architecture, stored_dim = 1.0, head_dim
     if stack.architecture is not None:
         architecture = stack.architecture.cache_fraction(kv_heads, head_dim)

@@ -206,6 +206,31 @@ def memory_figure(frame: pd.DataFrame, weight_bytes: int) -> go.Figure:
     return figure
 
 
+def axis_factors_figure(factors: dict[str, dict]) -> go.Figure:
+    """Per method, the cache's bytes after each axis: full, x heads/latent, x tokens kept, x bits; ◆ = measured.
+
+    ``factors``: method -> :meth:`kvviz.architecture.AxisFactors.to_json`.
+    """
+    stages = ["full", "× architecture", "× eviction", "× quantization"]
+    figure = go.Figure()
+    for method, f in factors.items():
+        running = [f["full_bytes"]]
+        for axis in ("architecture", "eviction", "quantization"):
+            running.append(running[-1] * f[axis])
+        line = figure.add_trace(go.Scatter(
+            x=stages, y=np.array(running) / MiB, mode="lines+markers", name=method,
+            customdata=[1.0, f["architecture"], f["eviction"], f["quantization"]],
+            hovertemplate=method + ": %{y:.3f} MiB (factor %{customdata:.3f})<extra></extra>"))
+        colour = line.data[-1].line.color
+        figure.add_trace(go.Scatter(x=[stages[-1]], y=[f["measured_bytes"] / MiB], mode="markers", showlegend=False,
+                                    marker=dict(symbol="diamond", size=12, color=colour, line=dict(width=1)),
+                                    hovertemplate=method + " measured: %{y:.3f} MiB<extra></extra>"))
+    figure.update_layout(title="Three axes, one product: full bytes × heads × tokens × bits (◆ measured)",
+                         height=380, yaxis_title="KV MiB", legend=dict(orientation="h", y=-0.2),
+                         margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
 def kv_growth_figure(per_step: dict[str, Sequence[int]]) -> go.Figure:
     """KV bytes held after each decode step, one line per method."""
     figure = go.Figure()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvviz.architecture import ArchitectureStorage, axis_factors
 from kvviz.cache import KVCache, rope_rotator
 from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
 from kvviz.ledger import EvictionLedger
@@ -158,12 +159,16 @@ class PromptSession:
             text=self._detokenize(trace.token_ids),
             token_ids=trace.token_ids,
             kv_bytes=breakdown.total,
-            kv_bytes_full=self.card.kv_bytes(total_tokens),
+            kv_bytes_full=self.card.stored_kv_bytes(total_tokens),
             kv_breakdown=breakdown,
             kv_bytes_per_step=trace.kv_bytes_per_step,
             kv_bytes_per_layer=cache.nbytes_per_layer(),
             seconds=seconds,
             ledger=cache.ledger.trimmed(total_tokens) if cache.ledger is not None else None,
+            axis_factors=axis_factors(cache, self.card.kv_heads, self.card.head_dim, total_tokens,
+                                      self.card.bytes_per_element, self.card.stored_kv_bytes(total_tokens)),
+            projection_bytes=sum(layer.storage.weight_bytes() for layer in cache.layers
+                                 if isinstance(layer.storage, ArchitectureStorage)),
         )
         return result, trace
 

@@ -152,3 +152,46 @@ def test_default_model_mqa_is_a_third_and_lowrank_is_rank_over_192(real_model, s
     full = _stored_bytes(session, "full")
     assert _stored_bytes(session, "merge_heads:kv_heads=1") * 3 == full
     assert _stored_bytes(session, "lowrank:rank=48") * 192 == full * 48
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek():
+    """A 2-layer random DeepSeek-V2 (MLA: latent 16 + RoPE 8; transformers caches per-head K 24 and V 16)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    from kvviz.capture import install_attention
+    from kvviz.models import LoadedModel
+
+    torch.manual_seed(0)
+    config = DeepseekV2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, max_position_embeddings=256,
+    )
+    model = DeepseekV2ForCausalLM(config).eval()
+    install_attention(model)
+    return LoadedModel(name="tiny-deepseek-v2", model=model, tokenizer=None, device="cpu", dtype=torch.float32)
+
+
+def test_deepseek_card_reports_the_latent_and_what_transformers_stores(tiny_deepseek):
+    from kvviz.memory import model_card
+
+    card = model_card(tiny_deepseek)
+    assert card.attention == "MLA" and card.mla_latent_dim == 16 + 8
+    assert card.kv_bytes(10) == 2 * 24 * 10 * 4  # the latent an MLA kernel caches
+    assert card.stored_kv_bytes(10) == 2 * 4 * (24 + 16) * 10 * 4  # transformers: decompressed per-head K and V
+    assert "transformers' cache stores 12,800 B" in card.formula_text(10)
+
+
+def test_deepseek_replays_and_measures_what_transformers_stores(tiny_deepseek):
+    comparison = compare(tiny_deepseek, list(range(5, 45)), ["full", "window:window=16", "merge_heads:kv_heads=2",
+                                                             "lowrank:rank=32"], max_new_tokens=4)
+    full = comparison.by_method("full")
+    assert full.error is None and len(full.token_ids) == 4
+    assert full.kv_bytes == full.kv_bytes_full  # 43 tokens fed: the card's stored bytes are the measured ones
+    assert comparison.by_method("window:window=16").kv_bytes == full.kv_bytes * 16 // 43
+    merged = comparison.by_method("merge_heads:kv_heads=2")
+    assert merged.kv_bytes * 2 == full.kv_bytes and merged.axis_factors.predicted_bytes == merged.kv_bytes
+    # keys rotate 8 of their 24 channels (decoupled RoPE): the latent cannot undo RoPE on the rest
+    assert "decoupled RoPE" in comparison.by_method("lowrank:rank=32").error

@@ -49,13 +49,17 @@ class LatentStorage(ArchitectureStorage):
         self.key_basis: torch.Tensor | None = None  # [kv_heads * head_dim, rank]
         self.value_basis: torch.Tensor | None = None
         self.rotary: torch.Tensor | None = None  # [T] rotary position of every cached entry
-        self.heads = self.dim = 0
+        self.heads = self.key_dim = self.value_dim = 0
 
     def cache_heads(self, model_heads: int) -> int:
         return 1
 
     def calibrate(self, keys: torch.Tensor, values: torch.Tensor, rotary: torch.Tensor) -> None:
-        batch, self.heads, length, self.dim = keys.shape
+        self.heads, self.key_dim, self.value_dim = keys.shape[1], keys.shape[-1], values.shape[-1]
+        if self.key_dim != 2 * self.cache.rotate_keys.inv_freq.numel():
+            raise SpecError(f"lowrank rebuilds keys whose every channel carries RoPE; this model rotates "
+                            f"{2 * self.cache.rotate_keys.inv_freq.numel()} of {self.key_dim} key channels "
+                            "(decoupled RoPE, as MLA models do)")
         flat_keys = self._flatten(self._rotate(keys, rotary, undo=True))
         self.key_basis = principal_directions(flat_keys, self.rank).to(keys.dtype)
         self.value_basis = principal_directions(self._flatten(values), self.v_rank).to(values.dtype)
@@ -82,14 +86,15 @@ class LatentStorage(ArchitectureStorage):
             self.rotary = gather_tokens(self.rotary.view(1, 1, -1), index[:1, :1]).flatten()
 
     # -- helpers ----------------------------------------------------------------------------------------------
-    def _flatten(self, x: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _flatten(x: torch.Tensor) -> torch.Tensor:
         """[B, H, T, D] -> [B * T, H * D]: one row per token, every head's channels side by side."""
-        return x.transpose(1, 2).reshape(-1, self.heads * self.dim)
+        return x.transpose(1, 2).flatten(2).flatten(0, 1)
 
     def _unflatten(self, x: torch.Tensor) -> torch.Tensor:
         """[B, 1, T, H * D] -> [B, H, T, D]."""
-        batch, _, length, _ = x.shape
-        return x.view(batch, length, self.heads, self.dim).transpose(1, 2)
+        batch, _, length, width = x.shape
+        return x.view(batch, length, self.heads, width // self.heads).transpose(1, 2)
 
     def _rotate(self, keys: torch.Tensor, rotary: torch.Tensor, undo: bool) -> torch.Tensor:
         """Apply RoPE at positions ``rotary`` [T] (or undo it) with the model's frequencies."""

@@ -31,13 +31,12 @@ class MergedHeadsStorage(ArchitectureStorage):
         return self.groups
 
     def compress(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, heads, length, dim = keys.shape
-        self.model_heads = heads
+        self.model_heads = heads = keys.shape[1]
         if heads == self.groups:
             return keys, values
 
-        def pool(x: torch.Tensor) -> torch.Tensor:
-            return x.view(batch, self.groups, heads // self.groups, length, dim).mean(2)
+        def pool(x: torch.Tensor) -> torch.Tensor:  # keys and values may differ in size (MLA models)
+            return x.unflatten(1, (self.groups, heads // self.groups)).mean(2)
 
         return pool(keys), pool(values)
 
