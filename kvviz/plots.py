@@ -231,6 +231,27 @@ def axis_factors_figure(factors: dict[str, dict]) -> go.Figure:
     return figure
 
 
+def measured_vs_formula_figure(per_token: dict[str, float], measured: dict[str, tuple[int, int]],
+                               max_tokens: int) -> go.Figure:
+    """Per configuration: the formula's bytes over context (line) and the bytes one run measured (◆, same colour).
+
+    ``per_token``: configuration -> formula bytes per token; ``measured``: configuration -> (tokens, bytes held).
+    """
+    figure = go.Figure()
+    tokens = np.array([0, max_tokens])
+    for name, slope in per_token.items():
+        line = figure.add_trace(go.Scatter(x=tokens, y=tokens * slope / MiB, mode="lines", name=name,
+                                           hovertemplate=name + " formula: %{y:.2f} MiB at %{x} tokens<extra></extra>"))
+        if name in measured:
+            count, held = measured[name]
+            figure.add_trace(go.Scatter(x=[count], y=[held / MiB], mode="markers", showlegend=False,
+                                        marker=dict(symbol="diamond", size=12, color=line.data[-1].line.color),
+                                        hovertemplate=name + " measured: %{y:.3f} MiB at %{x} tokens<extra></extra>"))
+    figure.update_layout(title="Loaded model: formula (lines) vs measured (◆)", height=360, xaxis_title="tokens",
+                         yaxis_title="KV MiB", legend=dict(orientation="h", y=-0.25), margin=dict(t=50, b=40))
+    return figure
+
+
 def kv_growth_figure(per_step: dict[str, Sequence[int]]) -> go.Figure:
     """KV bytes held after each decode step, one line per method."""
     figure = go.Figure()
