@@ -49,3 +49,25 @@ def test_axes_command_prints_the_markdown_table(tiny_model, monkeypatch, tmp_pat
 def test_axes_command_mistakes_are_one_line(argv, message, capsys):
     assert cli.main(["axes", *argv]) == cli.USAGE_ERROR
     assert message in capsys.readouterr().err
+
+
+def test_compare_offers_the_architecture_axis_and_lessons_has_the_three_axes_step():
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    pages = Path(__file__).resolve().parents[1] / "pages"
+    app = AppTest.from_file(str(pages / "2_Compare.py"), default_timeout=300)
+    app.query_params["m"] = ["full", "merge_heads:kv_heads=1+window:window=64", "lowrank:rank=64+kivi:bits=4"]
+    app.run()
+    assert not app.exception and not app.error
+    assert app.selectbox(key="cfg0_architecture").options == ["none", "lowrank", "merge_heads"]
+    assert (app.selectbox(key="cfg1_architecture").value, app.selectbox(key="cfg1_eviction").value) == (
+        "merge_heads", "window")
+    assert app.number_input(key="cfg2_lowrank_rank").value == 64
+    lessons = AppTest.from_file(str(pages / "5_Lessons.py"), default_timeout=300)
+    lessons.query_params["step"] = "6"
+    lessons.run()
+    assert not lessons.exception and lessons.radio(key="step").value == "6 · Three axes, one budget"
+    assert any("`merge_heads:kv_heads=1`" in c.value and "`kivi:bits=8,residual=32`" in c.value
+               for c in lessons.caption)
