@@ -209,7 +209,7 @@ shows what converting a model after the fact costs. The prompt hides a pass key 
     st.caption(" · ".join(f"{axis}: `{spec}`" for axis, spec in axes.items()))
     if live("Spend the budget three ways"):
         prompt = build_needle_prompt(loaded.tokenizer, 384, 0.5)
-        comparison = run_comparison(loaded, prompt.ids, ["full", *axes.values()], 8)
+        comparison = run_comparison(loaded, prompt.ids, ["full", *axes.values()], 12)  # "The pass key is NNNNN"
         outputs(comparison)
         label = {spec: axis for axis, spec in axes.items()}
         st.dataframe(pd.DataFrame([{
