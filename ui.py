@@ -385,10 +385,10 @@ def _initial_values(spec: str) -> dict[str, object]:
 
 
 def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> str | None:
-    """Eviction x quantization widgets for configuration ``index``; returns its SPEC or None (error shown)."""
+    """Architecture x eviction x quantization widgets for configuration ``index``; its SPEC or None (error shown)."""
     initial = _initial_values(initial_spec)
     chosen: list[str] = []
-    for kind, none_label in (("eviction", "full"), ("quantization", "none")):
+    for kind, none_label in (("architecture", "none"), ("eviction", "full"), ("quantization", "none")):
         options = methods_of(kind) if kind == "eviction" else [none_label, *methods_of(kind)]
         start = initial.get(kind, none_label)
         name = st.selectbox(kind.capitalize(), options, index=options.index(start) if start in options else 0,

@@ -91,8 +91,9 @@ class BatchLayer(CacheLayerMixin):
         if min(self.lengths) == longest:
             self.mask = None
             return torch.cat(keys), torch.cat(values)
-        shape = (len(keys), key_states.shape[1], longest, key_states.shape[3])
-        padded_keys_, padded_values = key_states.new_zeros(shape), value_states.new_zeros(shape)
+        # keys and values may differ in width (DeepSeek's MLA: 24-channel keys with decoupled RoPE, 16-channel values)
+        padded_keys_ = key_states.new_zeros(len(keys), keys[0].shape[1], longest, keys[0].shape[3])
+        padded_values = value_states.new_zeros(len(values), values[0].shape[1], longest, values[0].shape[3])
         for index, (k, v) in enumerate(zip(keys, values, strict=True)):
             padded_keys_[index, :, longest - k.shape[2]:] = k[0]
             padded_values[index, :, longest - v.shape[2]:] = v[0]

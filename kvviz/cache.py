@@ -54,6 +54,7 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         batch, heads, new = key_states.shape[:3]
+        heads = self.storage.cache_heads(heads)
         absolute, rotary = (t.view(1, 1, new).expand(batch, heads, new) for t in self.owner.step_on(key_states.device))
         self.storage.append(key_states, value_states)
         self.positions = absolute.clone() if self.positions is None else torch.cat([self.positions, absolute], -1)
@@ -154,10 +155,10 @@ class KVCache(Cache):
         self._step_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = None  # see step_on
         self._rerotation: tuple[tuple, torch.Tensor, Rerotation | None] | None = None  # the last layer's answer
         quantization, eviction = self.stack.quantization, self.stack.eviction
-        layers = [
-            KVLayer(i, self, quantization.new_storage(i) if quantization else DenseStorage(), eviction)
-            for i in range(num_layers)
-        ]
+        storages = [quantization.new_storage(i) if quantization else DenseStorage() for i in range(num_layers)]
+        if self.stack.architecture is not None:  # it stores its compressed form in the (dense or quantized) storage
+            storages = [self.stack.architecture.wrap_storage(i, s, self) for i, s in enumerate(storages)]
+        layers = [KVLayer(i, self, storage, eviction) for i, storage in enumerate(storages)]
         super().__init__(layers=layers)
 
     @property
@@ -237,8 +238,12 @@ class KVCache(Cache):
         for source, layer in zip(prefill.layers, cache.layers, strict=True):
             keys, values = source.storage.materialize()
             layer.lazy_initialization(keys, values)
+            if stack.architecture is not None:  # projections from the prompt's own K/V; appends read step_rotary
+                cache.step_rotary = source.rotary[0, 0].cpu()
+                layer.storage.calibrate(keys, values, cache.step_rotary)
             layer.storage.append(keys, values)
-            layer.positions, layer.rotary = source.positions.clone(), source.rotary.clone()
+            heads = layer.storage.cache_heads(keys.shape[1])  # every head of the dense prefill holds the same tokens
+            layer.positions, layer.rotary = source.positions[:, :heads].clone(), source.rotary[:, :heads].clone()
             if layer.eviction is not None:
                 layer.apply_keep(layer.eviction.prefill_select(layer.view(), stats))
         cache.decoding = True

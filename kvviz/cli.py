@@ -244,6 +244,41 @@ def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
             print(f"{depth:<16g}" + "".join(f"{m:>10}" for m in marks))
 
 
+def cmd_axes(args: argparse.Namespace) -> int:
+    """Each axis alone at one budget, then stacked: quality vs bytes on a needle prompt, as a Markdown table."""
+    from kvviz.memory import model_card
+    from kvviz.three_axes import budget_specs, run_axes
+
+    for spec in args.method or []:
+        parse_spec(spec)
+    if not 0 < args.budget < 1:
+        raise UsageError(f"bad --budget {args.budget}: a share of the full cache in (0, 1)")
+    loaded = _load(args)
+    specs = args.method
+    if not specs:
+        axis = budget_specs(model_card(loaded), args.budget)
+        heads, latent, tokens, bits = axis["heads"], axis["latent"], axis["tokens"], axis["bits"]
+        specs = [*axis.values(), f"{latent}+{tokens}", f"{heads}+{tokens}+{bits}", f"{latent}+{tokens}+{bits}"]
+    progress = _stderr_progress() if not args.quiet else None
+    rows, key = run_axes(loaded, specs, args.length, args.depth, args.max_new_tokens, progress)
+    if args.json:
+        _write_json(args.json, {"model": loaded.name, "device": loaded.device, "key": key, "length": args.length,
+                                "depth": args.depth, "rows": [r.to_json() for r in rows]})
+    if args.json != "-":
+        print(f"{loaded.name} on {loaded.device}, needle prompt of {args.length} tokens (key {key} at depth "
+              f"{args.depth:g}), {args.max_new_tokens} new tokens\n")
+        print("| SPEC | KV bytes | share of full | heads × tokens × bits | agreement | mean KL | needle |")
+        print("|---|---|---|---|---|---|---|")
+        for r in rows:
+            if r.error:
+                print(f"| `{r.method}` | failed: {r.error} | | | | | |")
+                continue
+            quality = "" if r.agreement is None else f"{r.agreement:.0%} | {r.mean_kl:.3f}"
+            print(f"| `{r.method}` | {r.kv_bytes:,} | {r.share_of_full:.3f} | {r.architecture:.3f} × "
+                  f"{r.eviction:.3f} × {r.quantization:.3f} | {quality} | {'found' if r.needle_found else 'missed'} |")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     """Every performance figure of the issues in one run; the JSON is rewritten after each section."""
     from kvviz import bench
@@ -328,6 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
     needle.add_argument("--max-new-tokens", type=int, default=16)
     _add_output_options(needle)
     needle.set_defaults(handler=cmd_needle)
+
+    axes = commands.add_parser("axes", help="one budget spent on heads, tokens or bits, alone and stacked")
+    _add_model_options(axes)
+    axes.add_argument("--budget", type=float, default=1 / 3, help="share of the full cache per axis (default 1/3)")
+    axes.add_argument("--method", action="append", metavar="SPEC", help="SPECs instead of the budget's (repeat)")
+    axes.add_argument("--length", type=int, default=512, help="needle prompt length in tokens (default 512)")
+    axes.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
+    axes.add_argument("--max-new-tokens", type=int, default=12)
+    _add_output_options(axes)
+    axes.set_defaults(handler=cmd_axes)
 
     bench = commands.add_parser("bench", help="the performance benchmark: every figure with its target")
     _add_model_options(bench)

@@ -3,7 +3,10 @@
     KV_bytes = 2 (K and V) * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element
 
 MLA models (DeepSeek-V2/V3) cache one compressed latent per token and layer instead of per-head K and V, so their
-per-token size is (kv_lora_rank + qk_rope_head_dim) elements per layer.
+per-token size is (kv_lora_rank + qk_rope_head_dim) elements per layer. That is what an MLA kernel (vLLM, SGLang,
+DeepSeek's own) holds. transformers' implementation does not: it decompresses the latent and caches per-head keys
+(qk_nope_head_dim + qk_rope_head_dim) and values (v_head_dim), which the card reports as ``stored_elements_per_token``
+and replay measures.
 """
 
 from __future__ import annotations
@@ -49,10 +52,16 @@ class ModelCard:
     weight_bytes: int
     kv_elements_per_token: int  # across all layers, K and V together
     mla_latent_dim: int | None = None
+    stored_elements_per_token: int | None = None  # what transformers' cache holds, where it differs (MLA models)
 
     @property
     def kv_bytes_per_token(self) -> int:
         return self.kv_elements_per_token * self.bytes_per_element
+
+    def stored_kv_bytes(self, seq_len: int, batch: int = 1) -> int:
+        """Bytes transformers' own cache holds for these tokens (the full cache kvviz replays and measures)."""
+        elements = self.stored_elements_per_token or self.kv_elements_per_token
+        return int(elements * seq_len * batch * self.bytes_per_element)
 
     def kv_bytes(self, seq_len: int, batch: int = 1, bytes_per_element: float | None = None) -> int:
         """KV bytes for ``batch`` sequences of ``seq_len`` tokens (optionally at another element size)."""
@@ -62,8 +71,12 @@ class ModelCard:
     def formula_text(self, seq_len: int, batch: int = 1) -> str:
         """The formula with this model's numbers substituted, as shown on the home page and by ``info``."""
         if self.attention == "MLA":
-            return (f"{self.layers} layers * {self.mla_latent_dim} latent * {seq_len} tokens * {batch} * "
+            text = (f"{self.layers} layers * {self.mla_latent_dim} latent * {seq_len} tokens * {batch} * "
                     f"{self.bytes_per_element} B = {self.kv_bytes(seq_len, batch):,} B")
+            if self.stored_elements_per_token:
+                text += (f"; transformers' cache stores {self.stored_kv_bytes(seq_len, batch):,} B "
+                         "(per-head K and V, decompressed)")
+            return text
         return (f"2 * {self.layers} layers * {self.kv_heads} kv_heads * {self.head_dim} head_dim * {seq_len} tokens"
                 f" * {batch} batch * {self.bytes_per_element} B = {self.kv_bytes(seq_len, batch):,} B")
 
@@ -93,9 +106,12 @@ def card_from_config(name: str, config, dtype: str = "bfloat16", weight_bytes: i
     sliding = get("sliding_window")
     sliding_layers = sum(1 for t in layer_types if t == "sliding_attention") if layer_types else (
         layers if sliding and get("use_sliding_window", True) else 0)
+    stored = None
     if is_mla:
         latent_dim = int(latent) + int(get("qk_rope_head_dim") or 0)
         elements = layers * latent_dim
+        key_dim = int(get("qk_nope_head_dim") or 0) + int(get("qk_rope_head_dim") or 0)
+        stored = layers * kv_heads * (key_dim + int(get("v_head_dim") or key_dim))  # decompressed per-head K and V
     else:
         latent_dim = None
         elements = 2 * layers * kv_heads * head_dim
@@ -116,6 +132,7 @@ def card_from_config(name: str, config, dtype: str = "bfloat16", weight_bytes: i
         weight_bytes=weight_bytes,
         kv_elements_per_token=elements,
         mla_latent_dim=latent_dim,
+        stored_elements_per_token=stored,
     )
 
 

@@ -209,6 +209,50 @@ def memory_figure(frame: pd.DataFrame, weight_bytes: int) -> go.Figure:
 def integer_ticks(count: int, ticks: int = 10) -> dict:
     """Axis settings with whole-number ticks for an axis of ``count`` steps (no 0.5 ticks on a short run)."""
     return dict(tick0=0, dtick=max(1, math.ceil(count / ticks)), tickformat="d")
+def axis_factors_figure(factors: dict[str, dict]) -> go.Figure:
+    """Per method, the cache's bytes after each axis: full, x heads/latent, x tokens kept, x bits; ◆ = measured.
+
+    ``factors``: method -> :meth:`kvviz.architecture.AxisFactors.to_json`.
+    """
+    stages = ["full", "× architecture", "× eviction", "× quantization"]
+    figure = go.Figure()
+    for method, f in factors.items():
+        running = [f["full_bytes"]]
+        for axis in ("architecture", "eviction", "quantization"):
+            running.append(running[-1] * f[axis])
+        line = figure.add_trace(go.Scatter(
+            x=stages, y=np.array(running) / MiB, mode="lines+markers", name=method,
+            customdata=[1.0, f["architecture"], f["eviction"], f["quantization"]],
+            hovertemplate=method + ": %{y:.3f} MiB (factor %{customdata:.3f})<extra></extra>"))
+        colour = line.data[-1].line.color
+        figure.add_trace(go.Scatter(x=[stages[-1]], y=[f["measured_bytes"] / MiB], mode="markers", showlegend=False,
+                                    marker=dict(symbol="diamond", size=12, color=colour, line=dict(width=1)),
+                                    hovertemplate=method + " measured: %{y:.3f} MiB<extra></extra>"))
+    figure.update_layout(title="Three axes, one product: full bytes × heads × tokens × bits (◆ measured)",
+                         height=380, yaxis_title="KV MiB", legend=dict(orientation="h", y=-0.2),
+                         margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def measured_vs_formula_figure(per_token: dict[str, float], measured: dict[str, tuple[int, int]],
+                               max_tokens: int) -> go.Figure:
+    """Per configuration: the formula's bytes over context (line) and the bytes one run measured (◆, same colour).
+
+    ``per_token``: configuration -> formula bytes per token; ``measured``: configuration -> (tokens, bytes held).
+    """
+    figure = go.Figure()
+    tokens = np.array([0, max_tokens])
+    for name, slope in per_token.items():
+        line = figure.add_trace(go.Scatter(x=tokens, y=tokens * slope / MiB, mode="lines", name=name,
+                                           hovertemplate=name + " formula: %{y:.2f} MiB at %{x} tokens<extra></extra>"))
+        if name in measured:
+            count, held = measured[name]
+            figure.add_trace(go.Scatter(x=[count], y=[held / MiB], mode="markers", showlegend=False,
+                                        marker=dict(symbol="diamond", size=12, color=line.data[-1].line.color),
+                                        hovertemplate=name + " measured: %{y:.3f} MiB at %{x} tokens<extra></extra>"))
+    figure.update_layout(title="Loaded model: formula (lines) vs measured (◆)", height=360, xaxis_title="tokens",
+                         yaxis_title="KV MiB", legend=dict(orientation="h", y=-0.25), margin=dict(t=50, b=40))
+    return figure
 
 
 def kv_growth_figure(per_step: dict[str, Sequence[int]]) -> go.Figure:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvviz.architecture import AxisFactors
 from kvviz.diagnostics import QuantizationReport
 from kvviz.ledger import EvictionLedger
 from kvviz.storage import StorageBytes
@@ -28,6 +29,8 @@ class MethodResult:
     mean_kl: float | None = None
     ledger: EvictionLedger | None = None
     error: str | None = None
+    axis_factors: AxisFactors | None = None  # full bytes x architecture x eviction x quantization (kvviz.architecture)
+    projection_bytes: int = 0  # an architecture method's fitted projections: weights, not cache
 
     @property
     def compression(self) -> float | None:
@@ -52,6 +55,9 @@ class MethodResult:
         }
         if self.error:
             data["error"] = self.error
+        if self.axis_factors is not None:
+            data["axis_factors"] = self.axis_factors.to_json()
+            data["projection_bytes"] = self.projection_bytes
         if with_ledger and self.ledger is not None:
             data["ledger"] = self.ledger.to_json(self.ledger.length)  # tokens fed: the last generated one never is
         return data

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kvviz.architecture import ArchitectureStorage, axis_factors
 from kvviz.batch import ROW_ERRORS, Row, decode_together
 from kvviz.cache import KVCache, rope_rotator
 from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
@@ -112,11 +113,14 @@ class PromptSession:
         """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill."""
         if stack.eviction is not None:
             stack.eviction.check_context(len(self.prompt_ids))
+        heads = self.card.kv_heads
+        if stack.architecture is not None:
+            stack.architecture.check_model(self.card.kv_heads, self.card.head_dim)
+            heads = stack.architecture.cache_heads(heads)
         prefill = self.prefill(self._with_capture(capture_for([stack])))
         book = None
         if ledger and stack.eviction is not None:
-            book = EvictionLedger.empty(self.num_layers, self.card.kv_heads, len(self.prompt_ids),
-                                        len(self.prompt_ids) + 64)
+            book = EvictionLedger.empty(self.num_layers, heads, len(self.prompt_ids), len(self.prompt_ids) + 64)
         return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys)
 
     def _detokenize(self, token_ids: list[int]) -> str:
@@ -162,12 +166,16 @@ class PromptSession:
             text=self._detokenize(trace.token_ids),
             token_ids=trace.token_ids,
             kv_bytes=breakdown.total,
-            kv_bytes_full=self.card.kv_bytes(total_tokens),
+            kv_bytes_full=self.card.stored_kv_bytes(total_tokens),
             kv_breakdown=breakdown,
             kv_bytes_per_step=trace.kv_bytes_per_step,
             kv_bytes_per_layer=cache.nbytes_per_layer(),
             seconds=seconds,
             ledger=cache.ledger.trimmed(total_tokens) if cache.ledger is not None else None,
+            axis_factors=axis_factors(cache, self.card.kv_heads, self.card.head_dim, total_tokens,
+                                      self.card.bytes_per_element, self.card.stored_kv_bytes(total_tokens)),
+            projection_bytes=sum(layer.storage.weight_bytes() for layer in cache.layers
+                                 if isinstance(layer.storage, ArchitectureStorage)),
         )
 
 

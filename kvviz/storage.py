@@ -103,6 +103,10 @@ class KVStorage:
     def nbytes(self) -> StorageBytes:
         raise NotImplementedError
 
+    def cache_heads(self, model_heads: int) -> int:
+        """Heads held per layer for a model with ``model_heads`` KV heads (fewer under an architecture method)."""
+        return model_heads
+
 
 class DenseStorage(KVStorage):
     """Entries kept as they come, in the model's dtype: the ``full`` cache.

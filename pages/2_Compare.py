@@ -66,7 +66,8 @@ with st.sidebar:
 text = prompt_input("compare", query_value("prompt", DEFAULT_PROMPT, str))
 
 st.subheader("Configurations")
-st.caption(f"{len([n for n in REGISTRY if REGISTRY[n].kind == 'eviction']) - 1} eviction and "
+st.caption(f"{len(methods_of('architecture'))} architecture, "
+           f"{len([n for n in REGISTRY if REGISTRY[n].kind == 'eviction']) - 1} eviction and "
            f"{len(methods_of('quantization'))} quantization methods are registered; parameters come from each "
            "method's own declaration.")
 specs: list[str | None] = []
@@ -129,6 +130,8 @@ memory = pd.DataFrame([{
 } for r in measured])
 if not memory.empty:
     st.plotly_chart(plots.memory_figure(memory, model_card(loaded).weight_bytes), width="stretch")
+    st.plotly_chart(plots.axis_factors_figure({r.method: r.axis_factors.to_json() for r in measured
+                                               if r.axis_factors is not None}), width="stretch")
     st.plotly_chart(plots.kv_growth_figure({r.method: r.kv_bytes_per_step for r in measured}),
                     width="stretch")
     kl = {r.method: r.kl_per_step for r in measured if r.kl_per_step and r.method != "full"}

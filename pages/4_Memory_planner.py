@@ -4,9 +4,11 @@ import pandas as pd
 import streamlit as st
 
 from kvviz import plots
+from kvviz.memory import model_card
 from kvviz.methods import SpecError
+from kvviz.needle import build_needle_prompt
 from kvviz.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
-from ui import methods_of, page_header, query_value, share_settings
+from ui import methods_of, model_picker, page_header, query_value, run_comparison, share_settings
 
 page_header("Memory planner", "Memory planner",
             "No model runs here: the numbers follow from each model's published shape. Architecture decides bytes "
@@ -122,3 +124,21 @@ for other in names:
                  "KV GB / sequence": round(outcome.kv_bytes_per_sequence / GB, 3),
                  "weights GB": round(outcome.weight_bytes / GB, 1), "sequences that fit": outcome.max_sequences})
 st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")
+
+with st.expander("Measured on the loaded model: each axis's formula next to the bytes a real run holds"):
+    if st.toggle("Run the sidebar's model", key="planner_measure"):
+        loaded = model_picker()
+        if loaded is not None:
+            loaded_card = model_card(loaded)
+            configs = ["full", "merge_heads:kv_heads=1", "lowrank:rank=64", "kivi:bits=4,residual=0",
+                       "lowrank:rank=64+kivi:bits=4,residual=0"]
+            prompt = build_needle_prompt(loaded.tokenizer, 256, 0.5)
+            comparison = run_comparison(loaded, prompt.ids, configs, 1)
+            done = [r for r in comparison.results if r.axis_factors is not None]
+            per_token = {r.method: loaded_card.stored_kv_bytes(1) * r.axis_factors.architecture
+                         * r.axis_factors.quantization for r in done}
+            measured = {r.method: (len(prompt.ids), r.kv_bytes) for r in done}
+            st.plotly_chart(plots.measured_vs_formula_figure(per_token, measured, 4 * len(prompt.ids)),
+                            width="stretch")
+            st.caption(f"{loaded.name} ({loaded_card.dtype}), one {len(prompt.ids)}-token prompt. Lines: full bytes "
+                       "per token x the architecture factor x the quantizer's bits per element; ◆: bytes held.")

@@ -275,6 +275,42 @@ precision.
                        "Try hidden keys at other depths and lengths in Needle →")
 
 
+@step("6 · Three axes, one budget")
+def three_axes() -> None:
+    """Step 6: one share of the full cache spent on heads, on a latent, on tokens or on bits, measured live."""
+    from kvviz.needle import build_needle_prompt
+    from kvviz.three_axes import budget_specs
+
+    st.markdown("""
+The families of step 2 are three independent knobs: **fewer KV heads** (or a low-rank latent, MLA's idea), **fewer
+tokens** (eviction) and **fewer bits** (quantization). Their savings multiply: bytes = full × heads × tokens × bits.
+So the interesting question is not which knob saves most, but which one costs least *for the same bytes*.
+
+Below, each knob alone is set to hold the same share of the full cache. Heads are mean-pooled into fewer groups and
+the latent is fitted on the prompt itself, with no retraining: real GQA and MLA models are trained that way, this
+shows what converting a model after the fact costs. The prompt hides a pass key in filler; the model must say it.
+""")
+    share = st.select_slider("Share of the full cache", [0.25, 1 / 3, 0.5, 2 / 3], value=1 / 3,
+                             format_func=lambda f: f"{f:.0%}", key="lesson_axes_share")
+    axes = budget_specs(card, share)
+    st.caption(" · ".join(f"{axis}: `{spec}`" for axis, spec in axes.items()))
+    if live("Spend the budget three ways"):
+        prompt = build_needle_prompt(loaded.tokenizer, 384, 0.5)
+        comparison = run_comparison(loaded, prompt.ids, ["full", *axes.values()], 12)  # "The pass key is NNNNN"
+        outputs(comparison)
+        label = {spec: axis for axis, spec in axes.items()}
+        st.dataframe(pd.DataFrame([{
+            "axis": label.get(r.method, "none"), "SPEC": r.method,
+            "share of full": None if not r.kv_bytes_full else round(r.kv_bytes / r.kv_bytes_full, 3),
+            "agreement with full": r.agreement_with_full, "mean KL": r.mean_kl,
+            "pass key found": prompt.key in r.text,
+        } for r in comparison.results if r.error is None]), hide_index=True, width="stretch")
+        factors = {r.method: r.axis_factors.to_json() for r in comparison.results if r.axis_factors is not None}
+        st.plotly_chart(plots.axis_factors_figure(factors), width="stretch")
+        st.caption(f"The pass key is {prompt.key}. Bits are KIVI's (2, 4 or 8, whichever is nearest the share on "
+                   f"this {card.dtype} model); the token budget is SnapKV's, a share of the prompt.")
+
+
 page_header("Lessons", f"Lessons: KV caches in {len(STEPS)} steps",
             "A walkthrough for a class. Read a step, press its button, and the real model runs on this server; "
             "numbers and outputs are measured, not pre-recorded.")

@@ -7,7 +7,9 @@ import importlib
 import pkgutil
 
 from kvviz.methods.base import (
+    KINDS,
     REGISTRY,
+    ArchitectureMethod,
     Budget,
     EvictionMethod,
     LayerView,
@@ -25,7 +27,9 @@ for _module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = [
+    "KINDS",
     "REGISTRY",
+    "ArchitectureMethod",
     "Budget",
     "EvictionMethod",
     "LayerView",

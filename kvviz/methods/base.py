@@ -1,8 +1,9 @@
 """The method protocol, the registry and the SPEC grammar.
 
-Every eviction or quantization method is one class in one file of this package. It declares its parameters once
-(:class:`Param`); the CLI parser, the app's widgets and the docs all read that declaration. A SPEC names one method or
-a stack of them: ``name[:key=value,key=value][+name[:key=value,...]]``, e.g. ``snapkv:budget=256+kivi:bits=2``.
+Every architecture, eviction or quantization method is one class in one file of this package. It declares its
+parameters once (:class:`Param`); the CLI parser, the app's widgets and the docs all read that declaration. A SPEC names
+one method or a stack of them, at most one per axis: ``name[:key=value,key=value][+name[:key=value,...]]``, e.g.
+``snapkv:budget=256+kivi:bits=2`` or ``lowrank:rank=96+snapkv:budget=256+kivi:bits=4``.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class Method:
     """Base of every method: a name, a kind, declared parameters, and validated values as attributes."""
 
     name: ClassVar[str] = ""
-    kind: ClassVar[str] = ""  # "eviction" or "quantization"
+    kind: ClassVar[str] = ""  # one of KINDS
     summary: ClassVar[str] = ""
     params: ClassVar[tuple[Param, ...]] = ()
 
@@ -174,34 +175,36 @@ def _format_value(value: Any) -> str:
 
 
 REGISTRY: dict[str, type[Method]] = {}
+KINDS = ("architecture", "eviction", "quantization")  # the three axes, in SPEC order: fewer heads, tokens, bits
 
 
 def register(cls: type[Method]) -> type[Method]:
     """Class decorator: make a method available to SPECs, the CLI, the app and the docs."""
-    if not cls.name or cls.kind not in ("eviction", "quantization"):
-        raise TypeError(f"{cls.__name__} needs a name and a kind of 'eviction' or 'quantization'")
+    if not cls.name or cls.kind not in KINDS:
+        raise TypeError(f"{cls.__name__} needs a name and a kind of {', '.join(map(repr, KINDS))}")
     REGISTRY[cls.name] = cls
     return cls
 
 
 @dataclass
 class MethodStack:
-    """What one SPEC describes: at most one eviction method and at most one quantization method."""
+    """What one SPEC describes: at most one method per axis (architecture, eviction, quantization)."""
 
     eviction: Method | None = None
     quantization: Method | None = None
+    architecture: Method | None = None
 
     @property
     def label(self) -> str:
-        parts = [m.spec() for m in (self.eviction, self.quantization) if m is not None]
+        parts = [m.spec() for m in self.members()]
         return "+".join(parts) if parts else "full"
 
     def members(self) -> list[Method]:
-        return [m for m in (self.eviction, self.quantization) if m is not None]
+        return [m for m in (self.architecture, self.eviction, self.quantization) if m is not None]
 
 
 def parse_spec(spec: str) -> MethodStack:
-    """Parse ``name[:k=v,...][+name[:k=v,...]]`` into a :class:`MethodStack`; SpecError on any mistake."""
+    """Parse ``name[:k=v,...][+name[:k=v,...]...]`` into a :class:`MethodStack`; SpecError on any mistake."""
     if not isinstance(spec, str) or not spec.strip():
         raise SpecError(f"empty method SPEC; valid methods: {', '.join(sorted(REGISTRY))}")
     stack = MethodStack()
@@ -222,7 +225,8 @@ def parse_spec(spec: str) -> MethodStack:
         slot = method.kind
         if getattr(stack, slot) is not None:
             existing = getattr(stack, slot).name
-            raise SpecError(f"'{spec}' stacks two {slot} methods ({existing}, {name}); use at most one of each")
+            raise SpecError(f"'{spec}' stacks two {slot} methods ({existing}, {name}); use at most one per axis "
+                            "(architecture+eviction+quantization)")
         setattr(stack, slot, method)
     for method in stack.members():
         method.check_stack(stack)
@@ -354,4 +358,34 @@ class QuantizationMethod(Method):
 
     def bits_per_element(self, head_dim: int) -> float:
         """Average stored bits per K/V element including metadata, ignoring any full-precision residual."""
+        raise NotImplementedError
+
+
+class ArchitectureMethod(Method):
+    """Changes what the cache holds per token (fewer KV heads, a low-rank latent) by wrapping the layer's storage.
+
+    The wrapper compresses incoming K/V into the stored form (which the quantizer, if any, stores) and hands
+    attention the model's K/V shape back from ``materialize``; that expansion is a simulated kernel and not counted.
+    Eviction sees ``cache_heads`` heads: the stored ones.
+    """
+
+    kind = "architecture"
+
+    def check_model(self, kv_heads: int, head_dim: int) -> None:
+        """Raise SpecError when the parameters do not fit a model with this many KV heads of this size."""
+
+    def cache_heads(self, kv_heads: int) -> int:
+        """Heads the cache stores per layer (what eviction chooses per head)."""
+        return kv_heads
+
+    def cache_fraction(self, kv_heads: int, head_dim: int) -> float:
+        """Stored elements per token as a share of the model's ``2 * kv_heads * head_dim``: the formula's factor."""
+        return 1.0
+
+    def stored_dim(self, kv_heads: int, head_dim: int) -> int:
+        """Length of each stored vector (what a quantizer groups): the head dim, or a latent's rank."""
+        return head_dim
+
+    def wrap_storage(self, layer_idx: int, inner: Any, cache: Any) -> Any:
+        """The layer's storage: ``inner`` (dense or quantized) holds the stored form; ``cache`` gives positions."""
         raise NotImplementedError

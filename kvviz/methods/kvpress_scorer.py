@@ -91,4 +91,7 @@ class KVPressScorer(EvictionMethod):
         with torch.inference_mode():
             module = _AttentionModule(inputs.module, inputs.rotary_emb)
             scores = self._press(view.state).score(module, inputs.hidden_states, view.keys, view.values, None, kwargs)
+        heads = view.positions.shape[1]
+        if scores.shape[1] != heads:  # an architecture method stores fewer heads: a group's heads vote together
+            scores = scores.float().unflatten(1, (heads, -1)).mean(2)
         return topk_keep(scores.float(), kept_count(length, self.ratio))
