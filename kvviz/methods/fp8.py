@@ -40,6 +40,8 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Te
 class Fp8Storage(KVStorage):
     """One-byte K/V codes [B, H, T, D] with fp32 scales, plus the dequantized copy attention reads."""
 
+    per_entry_bytes = True
+
     def __init__(self, dtype: torch.dtype, granularity: str):
         self.fp8, self.granularity = dtype, granularity
         self.codes: list[torch.Tensor | None] = [None, None]  # keys, values
