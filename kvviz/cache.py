@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvviz.capture import mask_padded_keys
 from kvviz.ledger import EvictionLedger
 from kvviz.methods.base import EvictionMethod, LayerView, MethodStack
-from kvviz.storage import DenseStorage, KeptRanges, KVStorage, RaggedKeep, StorageBytes, take_ranges
+from kvviz.storage import DenseStorage, KeptRanges, KVStorage, MergedKeep, RaggedKeep, StorageBytes, take_ranges
 
 
 @dataclass
@@ -91,7 +91,8 @@ class KVLayer(CacheLayerMixin):
             state=self.state,
         )
 
-    def apply_keep(self, kept: torch.Tensor | KeptRanges | RaggedKeep | None, rotary_end: int | None = None) -> None:
+    def apply_keep(self, kept: torch.Tensor | KeptRanges | RaggedKeep | MergedKeep | None,
+                   rotary_end: int | None = None) -> None:
         """Keep entries ``kept`` (an index [B, H, n] or ranges every head keeps); record the rest in the ledger;
         re-rotate keys if the method asks.
 
@@ -99,6 +100,11 @@ class KVLayer(CacheLayerMixin):
         by default the cache length, so the next token (given rotary position ``len(cache)``) follows on.
         """
         if kept is None:
+            return
+        if isinstance(kept, MergedKeep):  # the kept entries change: store them afresh, in the stack's format
+            self.apply_keep(kept.index)
+            self.storage = self.owner.new_storage(self.layer_idx)
+            self.storage.append(kept.keys, kept.values)
             return
         if isinstance(kept, RaggedKeep):
             self._apply_ragged(kept)
@@ -184,12 +190,13 @@ class KVCache(Cache):
         self.step_rotary = torch.zeros(0, dtype=torch.long)
         self.step_rotary_end = 0  # one past the newest token's rotary position
         self._rerotation: tuple[tuple, torch.Tensor, Rerotation | None] | None = None  # the last layer's answer
-        quantization, eviction = self.stack.quantization, self.stack.eviction
-        layers = [
-            KVLayer(i, self, quantization.new_storage(i) if quantization else DenseStorage(), eviction)
-            for i in range(num_layers)
-        ]
+        layers = [KVLayer(i, self, self.new_storage(i), self.stack.eviction) for i in range(num_layers)]
         super().__init__(layers=layers)
+
+    def new_storage(self, layer_idx: int) -> KVStorage:
+        """An empty storage for one layer in the stack's format (dense without quantization)."""
+        quantization = self.stack.quantization
+        return quantization.new_storage(layer_idx) if quantization else DenseStorage()
 
     @property
     def rerotates(self) -> bool:

@@ -101,6 +101,16 @@ class RaggedKeep:
         return cls(torch.where(valid, ranked[..., :width], last), valid)
 
 
+@dataclass(frozen=True)
+class MergedKeep:
+    """Entries kept with new contents (merging methods): ``index`` [B, H, n] ascending as for a plain keep, and the
+    kept entries' merged ``keys`` and ``values`` [B, H, n, D], which the cache stores afresh in its storage's format."""
+
+    index: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
 def take_ranges(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...], dim: int) -> torch.Tensor:
     """The entries of ``tensor`` along ``dim`` within ``spans``, in one copy."""
     return torch.cat([tensor.narrow(dim, start, end - start) for start, end in spans], dim=dim)
