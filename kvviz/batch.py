@@ -23,7 +23,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvviz.cache import KVCache
-from kvviz.capture import listening, padded_keys
+from kvviz.capture import listening, padded_keys, take_padded_keys
 from kvviz.faults import is_out_of_memory
 from kvviz.methods import MethodStack, SpecError
 from kvviz.replay import DecodeTrace, Progress, Sampling
@@ -76,7 +76,7 @@ class BatchLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values = [], []
+        keys, values, head_padding = [], [], []
         for index, row in enumerate(self.batch.rows):
             new_keys, new_values = key_states[index:index + 1], value_states[index:index + 1]
             if index not in self.batch.failures:
@@ -86,9 +86,10 @@ class BatchLayer(CacheLayerMixin):
                     self.batch.failures[index] = error
             keys.append(new_keys)
             values.append(new_values)
+            head_padding.append(take_padded_keys(self.layer_idx))  # a row whose heads keep unequal counts (adakv)
         self.lengths = [k.shape[2] for k in keys]
         longest = max(self.lengths)
-        if min(self.lengths) == longest:
+        if min(self.lengths) == longest and all(p is None for p in head_padding):
             self.mask = None
             return torch.cat(keys), torch.cat(values)
         # keys and values may differ in width (DeepSeek's MLA: 24-channel keys with decoupled RoPE, 16-channel values)
@@ -99,6 +100,11 @@ class BatchLayer(CacheLayerMixin):
             padded_values[index, :, longest - v.shape[2]:] = v[0]
         starts = torch.tensor([longest - n for n in self.lengths], device=key_states.device)
         self.mask = (torch.arange(longest, device=key_states.device) >= starts[:, None]).view(len(keys), 1, 1, longest)
+        if any(p is not None for p in head_padding):  # per KV head: [N, H_kv, 1, L]
+            self.mask = self.mask.expand(-1, keys[0].shape[1], -1, -1).clone()
+            for index, padding in enumerate(head_padding):
+                if padding is not None:
+                    self.mask[index, :, 0, longest - padding.shape[-1]:] &= ~padding[0].to(self.mask.device)
         return padded_keys_, padded_values
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:

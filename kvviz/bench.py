@@ -313,12 +313,19 @@ def budget_spec(name: str, budget: int, prompt: int) -> str | None:
         return f"{name}:budget={budget}" + (f",window={max(1, budget // 2)}" if small else "")
     if name == "streaming_llm":
         return f"streaming_llm:sinks=4,window={budget - 4}"
+    if "press" in params:  # a method ranking entries with a kvpress scorer: knorm needs no observation window
+        values: dict[str, object] = {"press": "knorm"}
+        ratio = f"{max(0.0, 1 - budget / prompt):.4f}"
+        values |= {key: ratio for key in ("ratio", "ratios") if key in params}
+        if "target" in params:  # decode-time compression: back to the budget every few steps
+            values |= {"target": budget, "every": 4}
+        if "window" in params and params["window"].default >= budget:
+            values["window"] = max(1, budget // 2)
+        return f"{name}:" + ",".join(f"{key}={value}" for key, value in values.items())
     if "window" in params:
         return f"{name}:window={budget}"
     if {"heavy", "recent"} <= params.keys():
         return f"{name}:heavy={budget // 2},recent={budget - budget // 2}"
-    if name == "kvpress":
-        return f"kvpress:press=knorm,ratio={max(0.0, 1 - budget / prompt):.4f}"
     return name
 
 

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvviz.capture import mask_padded_keys
 from kvviz.ledger import EvictionLedger
 from kvviz.methods.base import EvictionMethod, LayerView, MethodStack
-from kvviz.storage import DenseStorage, KeptRanges, KVStorage, StorageBytes, take_ranges
+from kvviz.storage import DenseStorage, KeptRanges, KVStorage, MergedKeep, RaggedKeep, StorageBytes, take_ranges
 
 
 @dataclass
@@ -44,6 +45,7 @@ class KVLayer(CacheLayerMixin):
         self.state = eviction.new_state(layer_idx) if eviction is not None else None
         self.positions: torch.Tensor | None = None  # [B, H_kv, T] absolute positions
         self.rotary: torch.Tensor | None = None  # [B, H_kv, T] positions the keys are rotated to
+        self.padding: torch.Tensor | None = None  # [B, H_kv, T] True on padding slots once heads keep unequal counts
 
     # -- transformers' layer protocol -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -59,9 +61,13 @@ class KVLayer(CacheLayerMixin):
         self.storage.append(key_states, value_states)
         self.positions = absolute.clone() if self.positions is None else torch.cat([self.positions, absolute], -1)
         self.rotary = rotary.clone() if self.rotary is None else torch.cat([self.rotary, rotary], -1)
+        if self.padding is not None:
+            self.padding = torch.cat([self.padding, torch.zeros_like(absolute, dtype=torch.bool)], -1)
         if self.owner.decoding and self.eviction is not None and not self.eviction.scores_attention:
             # the new tokens' queries already carry rotary positions; re-rotated keys must end where they stand
             self.apply_keep(self.eviction.select(self.view()), rotary_end=self.owner.step_rotary_end)
+        if self.padding is not None:
+            mask_padded_keys(self.layer_idx, self.padding)  # this forward's attention skips the padding slots
         return self.storage.materialize()
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
@@ -85,7 +91,8 @@ class KVLayer(CacheLayerMixin):
             state=self.state,
         )
 
-    def apply_keep(self, kept: torch.Tensor | KeptRanges | None, rotary_end: int | None = None) -> None:
+    def apply_keep(self, kept: torch.Tensor | KeptRanges | RaggedKeep | MergedKeep | None,
+                   rotary_end: int | None = None) -> None:
         """Keep entries ``kept`` (an index [B, H, n] or ranges every head keeps); record the rest in the ledger;
         re-rotate keys if the method asks.
 
@@ -94,7 +101,14 @@ class KVLayer(CacheLayerMixin):
         """
         if kept is None:
             return
-        if isinstance(kept, KeptRanges):
+        if isinstance(kept, MergedKeep):  # the kept entries change: store them afresh, in the stack's format
+            self.apply_keep(kept.index)
+            self.storage = self.owner.new_storage(self.layer_idx)
+            self.storage.append(kept.keys, kept.values)
+            return
+        if isinstance(kept, RaggedKeep):
+            self._apply_ragged(kept)
+        elif isinstance(kept, KeptRanges):
             if self.owner.ledger is not None:
                 gaps = kept.dropped(self.positions.shape[-1])
                 if gaps:
@@ -102,6 +116,7 @@ class KVLayer(CacheLayerMixin):
             self.storage.keep_ranges(kept)
             self.positions = take_ranges(self.positions, kept.spans, -1)
             self.rotary = take_ranges(self.rotary, kept.spans, -1)
+            self.padding = None if self.padding is None else take_ranges(self.padding, kept.spans, -1)
         else:
             if self.owner.ledger is not None:
                 dropped = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept[0], False)
@@ -110,8 +125,20 @@ class KVLayer(CacheLayerMixin):
             self.storage.keep(kept)
             self.positions = self.positions.gather(-1, kept)
             self.rotary = self.rotary.gather(-1, kept)
+            self.padding = None if self.padding is None else self.padding.gather(-1, kept)
         if self.eviction is not None and self.eviction.rerotate:
             self._rerotate(self.rotary.shape[-1] if rotary_end is None else rotary_end)
+
+    def _apply_ragged(self, kept: RaggedKeep) -> None:
+        """Heads keep different numbers of entries: store the padded layout and remember which slots are padding."""
+        if self.owner.ledger is not None:
+            removed = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept.index[0], False)
+            self.owner.ledger.record_per_head(self.layer_idx, self.owner.step, self.positions[0], removed)
+        padding = ~kept.valid if self.padding is None else self.padding.gather(-1, kept.index) | ~kept.valid
+        self.storage.keep(kept.index)
+        self.positions = self.positions.gather(-1, kept.index)
+        self.rotary = self.rotary.gather(-1, kept.index)
+        self.padding = padding if bool(padding.any()) else None
 
     def _rerotate(self, end: int) -> None:
         """Give cached keys consecutive rotary positions ending at ``end - 1`` (StreamingLLM's position shift).
@@ -130,7 +157,17 @@ class KVLayer(CacheLayerMixin):
         self.rotary = plan.target.expand_as(self.rotary)
 
     def nbytes(self) -> StorageBytes:
-        return self.storage.nbytes()
+        """What the storage holds. With unequal counts per head in a storage whose entries each cost the same (dense,
+        fp8, bnb), only the valid entries' share plus one int32 length per head, as a varlen layout holds them;
+        group quantizers hold the padding rows inside their groups, so their padded layout is counted as it is."""
+        held = self.storage.nbytes()
+        if self.padding is None or not self.storage.per_entry_bytes:
+            return held
+        slots = self.padding.numel()
+        valid = slots - int(self.padding.sum())
+        lengths = 4 * self.padding.shape[0] * self.padding.shape[1]
+        return StorageBytes(codes=held.codes * valid // slots, metadata=held.metadata + lengths,
+                            full_precision=held.full_precision * valid // slots)
 
 
 class KVCache(Cache):
@@ -154,12 +191,15 @@ class KVCache(Cache):
         self.step_rotary_end = 0  # one past the newest token's rotary position
         self._step_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = None  # see step_on
         self._rerotation: tuple[tuple, torch.Tensor, Rerotation | None] | None = None  # the last layer's answer
-        quantization, eviction = self.stack.quantization, self.stack.eviction
-        storages = [quantization.new_storage(i) if quantization else DenseStorage() for i in range(num_layers)]
-        if self.stack.architecture is not None:  # it stores its compressed form in the (dense or quantized) storage
-            storages = [self.stack.architecture.wrap_storage(i, s, self) for i, s in enumerate(storages)]
-        layers = [KVLayer(i, self, storage, eviction) for i, storage in enumerate(storages)]
+        layers = [KVLayer(i, self, self.new_storage(i), self.stack.eviction) for i in range(num_layers)]
         super().__init__(layers=layers)
+
+    def new_storage(self, layer_idx: int) -> KVStorage:
+        """An empty storage for one layer in the stack's format: dense or quantized, wrapped by the architecture
+        method when there is one (it keeps its compressed form in that storage)."""
+        quantization, architecture = self.stack.quantization, self.stack.architecture
+        storage = quantization.new_storage(layer_idx) if quantization else DenseStorage()
+        return storage if architecture is None else architecture.wrap_storage(layer_idx, storage, self)
 
     @property
     def rerotates(self) -> bool:
@@ -259,7 +299,8 @@ class KVCache(Cache):
         return [layer.nbytes().total for layer in self.layers]
 
     def kept_positions(self, layer_idx: int) -> torch.Tensor:
-        """[H_kv, T] absolute positions cached in a layer right now (batch 0)."""
+        """[H_kv, T] absolute positions cached in a layer right now (batch 0); with unequal counts per head, the
+        padding slots repeat the head's last kept position."""
         return self.layers[layer_idx].positions[0]
 
 

@@ -84,6 +84,40 @@ def listening(*listeners: AttentionListener):
         _listeners.reset(token)
 
 
+_padded_keys: contextvars.ContextVar[tuple[int, torch.Tensor] | None] = contextvars.ContextVar(
+    "kvviz_padded_keys", default=None
+)
+
+
+def mask_padded_keys(layer_idx: int, padding: torch.Tensor) -> None:
+    """Called by a cache layer right before its attention: ``padding`` [B, H_kv, T] marks slots attention must skip
+    (heads keeping different numbers of entries share one padded tensor). Read once, by the next attention call."""
+    _padded_keys.set((layer_idx, padding))
+
+
+def take_padded_keys(layer_idx: int) -> torch.Tensor | None:
+    """The padding a cache layer marked for this layer's attention (see :func:`mask_padded_keys`), read once."""
+    padded = _padded_keys.get()
+    if padded is None:
+        return None
+    _padded_keys.set(None)
+    return padded[1] if padded[0] == layer_idx else None
+
+
+def _with_padding_mask(attention_mask: torch.Tensor | None, padding: torch.Tensor, q_heads: int,
+                       q_len: int) -> torch.Tensor:
+    """A per-query-head bool mask [B, H_q, q, T] (True = attend) that also hides ``padding`` [B, H_kv, T]."""
+    batch, kv_heads, k_len = padding.shape
+    allowed = (~padding).repeat_interleave(q_heads // kv_heads, dim=1).unsqueeze(2)  # [B, H_q, 1, T]
+    if attention_mask is None:
+        causal = torch.arange(k_len, device=padding.device) <= (
+            torch.arange(q_len, device=padding.device).unsqueeze(1) + k_len - q_len)
+        return allowed & causal
+    if attention_mask.dtype == torch.bool:
+        return allowed & attention_mask[..., :k_len]
+    return allowed & (attention_mask[..., :k_len] == 0)
+
+
 def _block_rows(row_bytes: int, q_len: int, device: torch.device) -> int:
     """Query rows per block: a few MB on CPU (fresh 100 MB blocks cost more in page faults than in arithmetic)."""
     budget = BLOCK_BYTES_CPU if device.type == "cpu" else BLOCK_BYTES
@@ -125,7 +159,8 @@ def _explicit_attention(
         scores = torch.bmm(block_query, keys_t[:, :, :width]).float()
         grid = scores.view(batch, kv_heads, group, rows, width)
         if attention_mask is not None:
-            mask = attention_mask[:, :, start:stop, :width].unsqueeze(1)
+            mask = attention_mask[:, :, start:stop, :width]
+            mask = mask.view(batch, kv_heads, group, rows, width) if mask.shape[1] > 1 else mask.unsqueeze(1)
             if mask.dtype == torch.bool:
                 grid.masked_fill_(~mask, float("-inf"))
             else:
@@ -181,8 +216,15 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     """
     layer_idx = getattr(module, "layer_idx", 0)
     padding = _padding.get()
-    if padding is not None:  # one query per row: the only mask needed is the key padding
+    if padding is not None:  # one query per row: the only mask needed is the key padding (per head where needed)
         attention_mask = padding.key_mask(layer_idx)
+        if attention_mask is not None and attention_mask.shape[1] not in (1, query.shape[1]):
+            attention_mask = attention_mask.repeat_interleave(query.shape[1] // attention_mask.shape[1], dim=1)
+    else:
+        padded = take_padded_keys(layer_idx)
+        if padded is not None and padded.shape[-1] == key.shape[2]:
+            attention_mask = _with_padding_mask(attention_mask, padded.to(key.device), query.shape[1],
+                                                query.shape[2])
     listeners = [listener for listener in _listeners.get() if listener.wants(layer_idx)]
     if not listeners:
         return _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)

@@ -46,6 +46,11 @@ class EvictionLedger:
         if removed_positions.numel():
             self.evicted_at[layer_idx].scatter_(1, removed_positions.cpu(), step)
 
+    def record_per_head(self, layer_idx: int, step: int, positions: torch.Tensor, removed: torch.Tensor) -> None:
+        """Heads removing different numbers of entries: ``positions`` [H_kv, T] and a bool ``removed`` [H_kv, T]."""
+        for head in range(positions.shape[0]):
+            self.evicted_at[layer_idx, head, positions[head][removed[head]].cpu()] = step
+
     def trimmed(self, total_length: int) -> EvictionLedger:
         """A copy covering exactly ``total_length`` tokens (drops unused growth room)."""
         self.ensure(total_length)

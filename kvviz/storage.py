@@ -74,13 +74,56 @@ class KeptRanges:
         return tuple(gaps)
 
 
+@dataclass(frozen=True)
+class RaggedKeep:
+    """Entries kept when heads keep different numbers (head-adaptive budgets such as AdaKV).
+
+    ``index`` [B, H, n_max] holds each head's kept entries in ascending order, padded at the end by repeating the
+    head's last kept entry; ``valid`` [B, H, n_max] is False on that padding. Storages keep the padded layout (one
+    tensor per layer, as attention wants); the cache masks the padding out of attention and counts only valid
+    entries as held, which is what a varlen layout (AdaKV's flattened heads) stores.
+    """
+
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def from_mask(cls, keep: torch.Tensor) -> RaggedKeep:
+        """From a bool mask [B, H, T] of entries to keep (at least one per head)."""
+        length = keep.shape[-1]
+        order = torch.arange(length, device=keep.device).expand_as(keep)
+        ranked = torch.where(keep, order, order + length).sort(dim=-1).values  # kept first, ascending
+        width = int(keep.sum(-1).max())
+        counts = keep.sum(-1, keepdim=True)
+        slots = torch.arange(width, device=keep.device).expand(*keep.shape[:2], width)
+        valid = slots < counts
+        last = ranked.gather(-1, (counts - 1).clamp_min(0))
+        return cls(torch.where(valid, ranked[..., :width], last), valid)
+
+
+@dataclass(frozen=True)
+class MergedKeep:
+    """Entries kept with new contents (merging methods): ``index`` [B, H, n] ascending as for a plain keep, and the
+    kept entries' merged ``keys`` and ``values`` [B, H, n, D], which the cache stores afresh in its storage's format."""
+
+    index: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
 def take_ranges(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...], dim: int) -> torch.Tensor:
     """The entries of ``tensor`` along ``dim`` within ``spans``, in one copy."""
     return torch.cat([tensor.narrow(dim, start, end - start) for start, end in spans], dim=dim)
 
 
 class KVStorage:
-    """Protocol every storage follows."""
+    """Protocol every storage follows.
+
+    ``per_entry_bytes``: every entry costs the same bytes (no groups shared between entries), so the share of a
+    padded layout that is padding can be discounted exactly (see :class:`RaggedKeep`).
+    """
+
+    per_entry_bytes = False
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         raise NotImplementedError
@@ -114,6 +157,8 @@ class DenseStorage(KVStorage):
     Appends wait in ``pending`` until something reads the entries, so a positional eviction that follows an append
     (a sliding window dropping its oldest token) builds the kept cache in one copy, not a concatenation plus a gather.
     """
+
+    per_entry_bytes = True
 
     def __init__(self) -> None:
         self.keys: torch.Tensor | None = None

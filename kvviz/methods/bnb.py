@@ -48,6 +48,8 @@ def _quantize(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 class BnbStorage(KVStorage):
     """Keys and values stacked on a leading axis of 2, so each step costs one quantize and one dequantize call."""
 
+    per_entry_bytes = True
+
     def __init__(self, kind: str):
         self.kind = kind
         self.codes: torch.Tensor | None = None  # [2, B, H, T, bytes per row]

@@ -82,8 +82,19 @@ class KVPressScorer(EvictionMethod):
 
     def prefill_select(self, view: LayerView, stats) -> torch.Tensor | None:
         length = view.positions.shape[-1]
-        if self.ratio == 0 or kept_count(length, self.ratio) >= length:
+        kept = self.layer_kept(length, view.layer_idx, stats)
+        if kept >= length:
             return None
+        return topk_keep(self.prefill_scores(view, stats), kept)
+
+    def layer_kept(self, length: int, layer_idx: int, stats) -> int:
+        """Entries each head of layer ``layer_idx`` keeps out of ``length``: the same in every layer here; the
+        layer-adaptive wrappers (pyramidkv, per_layer) override it."""
+        return length if self.ratio == 0 else kept_count(length, self.ratio)
+
+    def prefill_scores(self, view: LayerView, stats) -> torch.Tensor:
+        """The press's score of every cached entry, [B, H_kv, T] float32 (higher = keep); wrappers that spread
+        budgets over heads or layers (adakv, pyramidkv) read it too."""
         inputs = None if stats is None else stats.layer_inputs.get(view.layer_idx)
         if inputs is None:
             raise SpecError("kvpress scorers need the prefill's layer inputs; run them through PromptSession")
@@ -94,4 +105,4 @@ class KVPressScorer(EvictionMethod):
         heads = view.positions.shape[1]
         if scores.shape[1] != heads:  # an architecture method stores fewer heads: a group's heads vote together
             scores = scores.float().unflatten(1, (heads, -1)).mean(2)
-        return topk_keep(scores.float(), kept_count(length, self.ratio))
+        return scores.float()

