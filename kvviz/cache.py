@@ -16,6 +16,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvviz.ledger import EvictionLedger
 from kvviz.methods.base import EvictionMethod, LayerView, MethodStack
+from kvviz.protect import with_protected
 from kvviz.storage import DenseStorage, KeptRanges, KVStorage, StorageBytes, take_ranges
 
 
@@ -94,6 +95,10 @@ class KVLayer(CacheLayerMixin):
         """
         if kept is None:
             return
+        if self.owner.protected is not None:
+            kept = with_protected(kept, self.positions, self.owner.protected)
+            if kept is None:
+                return
         if isinstance(kept, KeptRanges):
             if self.owner.ledger is not None:
                 gaps = kept.dropped(self.positions.shape[-1])
@@ -142,9 +147,11 @@ class KVCache(Cache):
         stack: MethodStack | None = None,
         ledger: EvictionLedger | None = None,
         rotate_keys: KeyRotator | None = None,
+        protected: torch.Tensor | None = None,
     ):
         self.stack = stack or MethodStack()
         self.ledger = ledger
+        self.protected = protected  # absolute positions no eviction may drop (kvviz.protect), or None
         self.rotate_keys = rotate_keys
         self.prompt_length = 0
         self.step = 0
@@ -218,12 +225,14 @@ class KVCache(Cache):
         stats: Any = None,
         ledger: EvictionLedger | None = None,
         rotate_keys: KeyRotator | None = None,
+        protected: torch.Tensor | None = None,
     ) -> KVCache:
         """A new cache holding ``prefill``'s entries under ``stack``: stored its way, compressed by its eviction.
 
         ``prefill`` is a dense cache after the prompt's forward; it is not modified, so many methods can fork it.
+        ``protected``: absolute positions the eviction may never drop (see :mod:`kvviz.protect`).
         """
-        cache = cls(len(prefill.layers), stack, ledger, rotate_keys)
+        cache = cls(len(prefill.layers), stack, ledger, rotate_keys, protected)
         cache.prompt_length = prefill.prompt_length
         cache.step = 0
         for source, layer in zip(prefill.layers, cache.layers, strict=True):
