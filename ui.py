@@ -24,6 +24,7 @@ from kvviz.prompts import LengthCheck, decode_upload, prompt_limit, truncate_kee
 from kvviz.results import Comparison, MethodResult
 from kvviz.runqueue import DONE, RunQueue, Ticket
 from kvviz.session import PromptError, PromptSession, compare, encode_prompt
+from kvviz.tail import TailReport, run_tail
 
 T = TypeVar("T")
 MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
@@ -448,6 +449,25 @@ def run_needle(loaded: LoadedModel, specs: list[str], lengths: list[int], depths
     return queued(lambda user, progress: cached_needle(loaded.name, tuple(specs), tuple(lengths), tuple(depths),
                                                        trials, mode, chat, max_new_tokens, loaded, user, progress),
                   "Building haystacks…", "needle_request")
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def cached_tail(model_name: str, specs: tuple[str, ...], tasks: tuple[str, ...], lengths: tuple[int, ...],
+                depths: tuple[float, ...], hops: tuple[int, ...], mode: str, protect: tuple[str, ...],
+                _loaded: LoadedModel, _user: str, _progress: Callable[[float, str], None]) -> TailReport:
+    """The tail tasks keyed by their inputs."""
+    return through_queue(_user, lambda report: run_tail(
+        _loaded, list(specs), list(tasks), list(lengths), list(depths), list(hops), mode=mode, protect=list(protect),
+        progress=report), _progress)
+
+
+def run_tail_report(loaded: LoadedModel, specs: list[str], tasks: list[str], lengths: list[int],
+                    depths: list[float], hops: list[int], mode: str, protect: list[str]) -> TailReport:
+    """The tail tasks through the shared queue with a progress bar (instant when the same inputs ran before)."""
+    return queued(lambda user, progress: cached_tail(loaded.name, tuple(specs), tuple(tasks), tuple(lengths),
+                                                     tuple(depths), tuple(hops), mode, tuple(protect), loaded, user,
+                                                     progress),
+                  "Building prompts…", "tail_request")
 
 
 @st.cache_data(show_spinner=False, max_entries=16)

@@ -35,8 +35,9 @@ def test_items_are_deterministic_per_seed_and_plant_what_they_claim(real_model, 
         decoded = "".join(tokenizer.decode([item.ids[p]]) for p in span.positions)
         pieces = span.text.split(" ... ") if task == "needle" else [span.text]
         assert all(piece in decoded for piece in pieces), (span.label, decoded)
-        # exactly the tokens that carry the text: the first and last each hold some of it
-        assert span.text.split()[0].split(".")[0] in tokenizer.decode([item.ids[p] for p in span.positions[:2]])
+        if task != "needle":  # no more tokens than the text needs: dropping the first or the last loses some of it
+            assert span.text not in "".join(tokenizer.decode([item.ids[p]]) for p in span.positions[1:])
+            assert span.text not in "".join(tokenizer.decode([item.ids[p]]) for p in span.positions[:-1])
     question = tokenizer.decode(item.ids[item.question_start:])
     assert question.startswith(("What", "Follow", "In one sentence"))
     assert question.endswith(item.answer_prefix + ("" if item.answer_prefix else "\n"))
@@ -180,3 +181,44 @@ def test_short_real_run_calibrates_attributes_and_protects(real_model):
     assert {"settings", "calibration", "summary", "cells", "items"} <= set(data)
     assert any(row["task"] == "needle" and row["method"] == "full" and row["accuracy"] == 1.0
                for row in data["summary"])
+
+
+def test_tail_page_runs_and_shows_heatmap_contrast_and_a_failure():
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "pages" / "6_Tail_risk.py"),
+                            default_timeout=600)
+    for key, value in {"task": ["needle", "vartrack"], "len": "128", "depth": "0.25", "hops": "1",
+                       "m": "window:window=24", "protect": "system"}.items():
+        app.query_params[key] = value
+    app.run()
+    assert not app.exception and app.number_input(key="tail_configs").value == 1
+    app.button[0].click().run()
+    assert not app.exception and not app.error, [e.value for e in app.error]
+    assert "Kept (full right / generated): needle 1/1" in app.success[0].value
+    assert len(app.get("plotly_chart")) == 2  # the heatmap and the needle vs hops contrast
+    marked = app.get("html")[0].proto.body
+    assert "rgba(214,39,40" in marked  # the evicted pass key, in red
+
+
+def test_tail_figures_order_tasks_and_mark_evicted_planted_tokens():
+    import pandas as pd
+
+    from kvviz import plots
+
+    summary = pd.DataFrame([
+        {"task": "vartrack k=2", "method": "full", "items": 2, "accuracy": 1.0},
+        {"task": "needle", "method": "full", "items": 3, "accuracy": 1.0},
+        {"task": "needle", "method": "snapkv:budget=64", "items": 3, "accuracy": 2 / 3},
+        {"task": "vartrack k=2", "method": "snapkv:budget=64", "items": 2, "accuracy": 0.0},
+    ])
+    heatmap = plots.tail_heatmap(summary).data[0]
+    assert list(heatmap.x) == ["needle", "vartrack k=2"] and list(heatmap.y) == ["full", "snapkv:budget=64"]
+    assert heatmap.text[1] == ["67% (3)", "0% (2)"]
+    contrast = plots.tail_contrast_figure(summary)
+    assert [trace.name for trace in contrast.data] == ["needle", "vartrack k=2"]
+    marked = plots.tail_context_html(["a", "b", "c", "d"], [0.0, 0.5, 1.0, 0.0], [("hop 1", [1]), ("hop 2", [3])])
+    assert marked.count("rgba(214,39,40") == 1 and marked.count("rgba(44,160,44") == 1
+    assert "line-through" in marked and "hop 1: evicted in 50%" in marked
