@@ -246,12 +246,15 @@ def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     """The tail tasks per method: calibrated accuracy, and what the ledger says each failure lost."""
-    from kvviz.tail import run_tail
+    from kvviz.tail import TASKS, run_tail
 
     specs = args.method or ["full"]
     for spec in specs:
         parse_spec(spec)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise UsageError(f"unknown task(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(TASKS)}")
     lengths = _numbers(args.lengths, int, "--lengths")
     depths = _numbers(args.depths, float, "--depths")
     hops = _numbers(args.hops, int, "--hops")

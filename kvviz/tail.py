@@ -451,7 +451,8 @@ def run_tail(
     stacks = [parse_spec(spec) for spec in specs]
     stacks = [parse_spec("full")] + [s for s in stacks if s.label != "full"]
     runs = [(stack, "") for stack in stacks]
-    runs += [(stack, name) for name in protect for stack in stacks if stack.eviction is not None]
+    runs += [(stack, name) for name in protect for stack in stacks if stack.label != "full"
+             and stack.eviction is not None]
     capture = capture_for(stacks)
     items = generate_items(loaded.tokenizer, tasks, lengths, depths, hops, trials, seed)
     agnostic = mode == "query_agnostic"

@@ -222,3 +222,14 @@ def test_tail_figures_order_tasks_and_mark_evicted_planted_tokens():
     marked = plots.tail_context_html(["a", "b", "c", "d"], [0.0, 0.5, 1.0, 0.0], [("hop 1", [1]), ("hop 2", [3])])
     assert marked.count("rgba(214,39,40") == 1 and marked.count("rgba(44,160,44") == 1
     assert "line-through" in marked and "hop 1: evicted in 50%" in marked
+
+
+def test_tail_cli_mistakes_exit_2_with_one_line_before_loading(capsys):
+    from kvviz.cli import main
+
+    assert main(["tail", "--tasks", "needle,riddles"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown task(s) riddles" in err and "vartrack" in err
+    assert main(["tail", "--method", "snapkv:budget=nope"]) == 2
+    assert main(["tail", "--lengths", "abc"]) == 2
+    assert "bad --lengths" in capsys.readouterr().err
