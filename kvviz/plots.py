@@ -357,10 +357,10 @@ def tail_contrast_figure(summary: pd.DataFrame) -> go.Figure:
         rows = summary[summary["task"] == task]
         figure.add_trace(go.Bar(x=rows["method"], y=rows["accuracy"], name=task,
                                 marker_color="#2ca02c" if task == "needle" else colours[min(index, 4)],
-                                customdata=rows["items"],
+                                customdata=rows["items"], texttemplate="%{y:.0%}", textposition="outside",
                                 hovertemplate=task + ", %{x}: %{y:.0%} of %{customdata} items<extra></extra>"))
     figure.update_layout(title="Single needle vs multi-hop (vartrack k hops) at the same budget", barmode="group",
-                         yaxis_title="accuracy", yaxis_tickformat=".0%", yaxis_range=[0, 1.05], height=380,
+                         yaxis_title="accuracy", yaxis_tickformat=".0%", yaxis_range=[0, 1.15], height=380,
                          legend_title="task", margin=dict(t=50, b=40, l=50, r=20))
     return figure
 

@@ -130,7 +130,7 @@ with left:
                "Other tokens fade the more they were evicted.")
 with right:
     st.markdown(f"**Answer** ({cell.method}): `{cell.answer.strip()}`")
-    st.markdown("**Checks**: " + ", ".join(f"{k} {'✅' if ok else '❌'}" for k, ok in cell.checks.items()))
+    st.markdown("**Checks**: " + ", ".join(f"{k} {'met' if ok else 'missed'}" for k, ok in cell.checks.items()))
     st.dataframe(pd.DataFrame([{"span": f.label, "role": f.role, "evicted": f.evicted, "first step": f.evicted_step,
                                 "layers": len(f.evicted_layers)} for f in cell.spans]), hide_index=True,
                  width="stretch")
