@@ -183,26 +183,6 @@ def test_short_real_run_calibrates_attributes_and_protects(real_model):
                for row in data["summary"])
 
 
-def test_tail_page_runs_and_shows_heatmap_contrast_and_a_failure():
-    from pathlib import Path
-
-    from streamlit.testing.v1 import AppTest
-
-    app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "pages" / "6_Tail_risk.py"),
-                            default_timeout=600)
-    for key, value in {"task": ["needle", "vartrack"], "len": "128", "depth": "0.25", "hops": "1",
-                       "m": "window:window=24", "protect": "system"}.items():
-        app.query_params[key] = value
-    app.run()
-    assert not app.exception and app.number_input(key="tail_configs").value == 1
-    app.button[0].click().run()
-    assert not app.exception and not app.error, [e.value for e in app.error]
-    assert "Kept (full right / generated): needle 1/1" in app.success[0].value
-    assert len(app.get("plotly_chart")) == 2  # the heatmap and the needle vs hops contrast
-    marked = app.get("html")[0].proto.body
-    assert "rgba(214,39,40" in marked  # the evicted pass key, in red
-
-
 def test_tail_figures_order_tasks_and_mark_evicted_planted_tokens():
     import pandas as pd
 
