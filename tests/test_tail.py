@@ -57,7 +57,7 @@ def test_items_are_deterministic_per_seed_and_plant_what_they_claim(real_model, 
         assert target[0].label.split("'")[1] in question
 
 
-def test_depth_moves_the_planted_spans_and_length_extends_the_same_prompt(real_model):
+def test_depth_moves_the_planted_spans_and_impossible_sizes_fail(real_model):
     tokenizer = real_model.tokenizer
     shallow = build_item(tokenizer, "multikey", 300, 0.1)
     deep = build_item(tokenizer, "multikey", 300, 0.9)
