@@ -28,8 +28,10 @@ from kvviz.runs import (
     NeedleRequest,
     ResultStore,
     RunRequest,
+    TailRequest,
 )
 from kvviz.session import PromptError, encode_prompt
+from kvviz.tail import TailReport
 
 T = TypeVar("T")
 
@@ -443,3 +445,10 @@ def run_needle(loaded: LoadedModel, specs: list[str], lengths: list[int], depths
     """The needle grid through the shared queue with a progress bar (instant when the same inputs ran before)."""
     return run_request(loaded, NeedleRequest(tuple(specs), tuple(lengths), tuple(depths), trials, mode, chat,
                                              max_new_tokens), "Building haystacks…", "needle_request")
+
+
+def run_tail_report(loaded: LoadedModel, specs: list[str], tasks: list[str], lengths: list[int],
+                    depths: list[float], hops: list[int], mode: str, protect: list[str]) -> TailReport:
+    """The tail tasks through the shared queue with a progress bar (instant when the same inputs ran before)."""
+    return run_request(loaded, TailRequest(tuple(specs), tuple(tasks), tuple(lengths), tuple(depths), tuple(hops),
+                                           mode, tuple(protect)), "Building prompts…", "tail_request")

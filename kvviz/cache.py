@@ -16,7 +16,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kvviz.capture import mask_padded_keys
 from kvviz.ledger import EvictionLedger
-from kvviz.methods.base import EvictionMethod, LayerView, MethodStack
+from kvviz.methods.base import EvictionMethod, LayerView, MethodStack, SpecError
+from kvviz.protect import with_protected
 from kvviz.storage import DenseStorage, KeptRanges, KVStorage, MergedKeep, RaggedKeep, StorageBytes, take_ranges
 
 
@@ -101,6 +102,13 @@ class KVLayer(CacheLayerMixin):
         """
         if kept is None:
             return
+        if self.owner.protected is not None:
+            if isinstance(kept, (MergedKeep, RaggedKeep)):  # said, not silently ignored
+                raise SpecError(f"{self.eviction.name} cannot protect spans: its heads keep different counts or "
+                                "merge entries; protect with a method that drops whole entries")
+            kept = with_protected(kept, self.positions, self.owner.protected)
+            if kept is None:
+                return
         if isinstance(kept, MergedKeep):  # the kept entries change: store them afresh, in the stack's format
             self.apply_keep(kept.index)
             self.storage = self.owner.new_storage(self.layer_idx)
@@ -179,9 +187,11 @@ class KVCache(Cache):
         stack: MethodStack | None = None,
         ledger: EvictionLedger | None = None,
         rotate_keys: KeyRotator | None = None,
+        protected: torch.Tensor | None = None,
     ):
         self.stack = stack or MethodStack()
         self.ledger = ledger
+        self.protected = protected  # absolute positions no eviction may drop (kvviz.protect), or None
         self.rotate_keys = rotate_keys
         self.prompt_length = 0
         self.step = 0
@@ -267,12 +277,14 @@ class KVCache(Cache):
         stats: Any = None,
         ledger: EvictionLedger | None = None,
         rotate_keys: KeyRotator | None = None,
+        protected: torch.Tensor | None = None,
     ) -> KVCache:
         """A new cache holding ``prefill``'s entries under ``stack``: stored its way, compressed by its eviction.
 
         ``prefill`` is a dense cache after the prompt's forward; it is not modified, so many methods can fork it.
+        ``protected``: absolute positions the eviction may never drop (see :mod:`kvviz.protect`).
         """
-        cache = cls(len(prefill.layers), stack, ledger, rotate_keys)
+        cache = cls(len(prefill.layers), stack, ledger, rotate_keys, protected)
         cache.prompt_length = prefill.prompt_length
         cache.step = 0
         for source, layer in zip(prefill.layers, cache.layers, strict=True):

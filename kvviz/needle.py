@@ -49,6 +49,7 @@ class NeedlePrompt:
     question_start: int  # index in ids: context before it, the question (and turn end) from it on
     key: str
     needle_positions: list[int]  # the key's digit tokens (both mentions in the needle)
+    context_start: int = 0  # index in ids of the user's text: before it the chat template's header and system turn
 
 
 @dataclass
@@ -106,7 +107,8 @@ class NeedleReport:
                 "cells": [asdict(c) for c in self.cells]}
 
 
-def _sentences(rng: random.Random) -> Iterator[str]:
+def filler_sentences(rng: random.Random) -> Iterator[str]:
+    """kvviz's own haystack: an endless stream of bland seeded sentences (shared with :mod:`kvviz.tail`)."""
     while True:
         yield f"{rng.choice(_SUBJECTS)} {rng.choice(_PREDICATES)} {rng.choice(_TAILS)}."
 
@@ -122,19 +124,20 @@ def build_needle_prompt(tokenizer, length: int, depth: float, seed: int = 0, tri
         raise ValueError("this model has no chat template; run the needle test without chat")
     rng = random.Random(f"kvviz-needle:{seed}:{trial}")
     key = str(rng.randint(10000, 99999))
-    stream = _sentences(rng)
+    stream = filler_sentences(rng)
 
-    def render(filler: list[str]) -> tuple[str, int]:
+    def render(filler: list[str]) -> tuple[str, int, int]:
+        """The prompt text, the character where the question starts and the one where the user's text starts."""
         cut = round(depth * len(filler))
         context = " ".join([*filler[:cut], needle_text(key), *filler[cut:]])
         body = f"{INSTRUCTION}\n\n{context}\n\n"
         if chat:
             text = tokenizer.apply_chat_template([{"role": "user", "content": body + QUESTION}], tokenize=False,
                                                  add_generation_prompt=True)
-            return text, text.index(body) + len(body)
-        return body + QUESTION + PLAIN_ANSWER_PREFIX, len(body)
+            return text, text.index(body) + len(body), text.index(body)
+        return body + QUESTION + PLAIN_ANSWER_PREFIX, len(body), 0
 
-    base, _ = render([])
+    base, _, _ = render([])
     budget = length - len(tokenizer(base, add_special_tokens=False)["input_ids"])
     if budget < 0:
         raise ValueError(f"length {length} is too short for the needle prompt: it needs {length - budget} tokens")
@@ -144,7 +147,7 @@ def build_needle_prompt(tokenizer, length: int, depth: float, seed: int = 0, tri
         budget -= len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
         filler.append(sentence)
     while True:  # the per-sentence count is an estimate; trim until the whole prompt fits
-        text, question_char = render(filler)
+        text, question_char, context_char = render(filler)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         if len(encoded["input_ids"]) <= length or not filler:
             break
@@ -153,9 +156,18 @@ def build_needle_prompt(tokenizer, length: int, depth: float, seed: int = 0, tri
     needle = needle_text(key)
     needle_start = text.index(needle)
     spans = [(needle_start + i, needle_start + i + len(key)) for i in (needle.index(key), needle.rindex(key))]
-    positions = [t for t, (a, b) in enumerate(offsets) if any(a < end and b > start for start, end in spans)]
-    question_start = next(t for t, (a, _) in enumerate(offsets) if a >= question_char)
-    return NeedlePrompt(list(encoded["input_ids"]), question_start, key, positions)
+    return NeedlePrompt(list(encoded["input_ids"]), first_token_at(offsets, question_char), key,
+                        span_tokens(offsets, spans), first_token_at(offsets, context_char))
+
+
+def span_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """Token indices whose characters (``offsets`` from the tokenizer) overlap any ``[start, end)`` character span."""
+    return [t for t, (a, b) in enumerate(offsets) if any(a < end and b > start for start, end in spans)]
+
+
+def first_token_at(offsets: list[tuple[int, int]], char: int) -> int:
+    """Index of the first token starting at or after character ``char``."""
+    return next(t for t, (a, _) in enumerate(offsets) if a >= char)
 
 
 def needle_eviction(ledger: EvictionLedger | None, positions: list[int]) -> tuple[bool, int | None, list[int]]:

@@ -384,3 +384,70 @@ def gpu_budget_figure(weight_gb: float, kv_gb: float, usable_gb: float, gpu_gb: 
     figure.add_vline(x=gpu_gb, line_color="black", annotation_text="GPU")
     figure.update_layout(barmode="stack", height=200, xaxis_title="GB", margin=dict(t=30, b=40, l=60, r=20))
     return figure
+
+
+TAIL_ORDER = ("needle", "multikey", "multivalue", "vartrack k=1", "vartrack k=2", "vartrack k=3", "vartrack k=4",
+              "instructions")
+
+
+def _tail_columns(labels) -> list[str]:
+    """Task labels in reading order: the single needle first, then harder tasks, hops in order."""
+    present = list(dict.fromkeys(labels))
+    return [t for t in TAIL_ORDER if t in present] + [t for t in present if t not in TAIL_ORDER]
+
+
+def tail_heatmap(summary: pd.DataFrame) -> go.Figure:
+    """Accuracy per method (rows) and task (columns) from a tail report's summary; the cell says accuracy (items)."""
+    tasks = _tail_columns(summary["task"])
+    methods = list(dict.fromkeys(summary["method"]))
+    grid = summary.pivot_table(index="method", columns="task", values="accuracy").reindex(index=methods,
+                                                                                         columns=tasks)
+    counts = summary.pivot_table(index="method", columns="task", values="items").reindex(index=methods,
+                                                                                        columns=tasks)
+    text = [[("" if np.isnan(v) else f"{v:.0%} ({int(n)})") for v, n in zip(row, count, strict=True)]
+            for row, count in zip(grid.values, counts.fillna(0).values, strict=True)]
+    figure = go.Figure(go.Heatmap(
+        z=grid.values, x=tasks, y=methods, zmin=0, zmax=1, text=text, texttemplate="%{text}",
+        colorscale=[[0, "#d62728"], [0.5, "#ffbb00"], [1, "#2ca02c"]], colorbar=dict(title="accuracy"),
+        hovertemplate="%{y} on %{x}: %{z:.0%}<extra></extra>"))
+    figure.update_layout(title="Accuracy per task and method (items the full cache got right; count in brackets)",
+                         xaxis_title="task", yaxis=dict(autorange="reversed", type="category"),
+                         height=140 + 42 * len(methods), margin=dict(t=50, b=40, l=260, r=20))
+    return figure
+
+
+def tail_contrast_figure(summary: pd.DataFrame) -> go.Figure:
+    """Per method, the single needle next to the chain of k hops: the same budget, one more copy to follow each."""
+    tasks = [t for t in _tail_columns(summary["task"]) if t == "needle" or t.startswith("vartrack")]
+    figure = go.Figure()
+    colours = ["#1f77b4", "#9ecae1", "#6baed6", "#3182bd", "#08519c"]
+    for index, task in enumerate(tasks):
+        rows = summary[summary["task"] == task]
+        figure.add_trace(go.Bar(x=rows["method"], y=rows["accuracy"], name=task,
+                                marker_color="#2ca02c" if task == "needle" else colours[min(index, 4)],
+                                customdata=rows["items"], texttemplate="%{y:.0%}", textposition="outside",
+                                hovertemplate=task + ", %{x}: %{y:.0%} of %{customdata} items<extra></extra>"))
+    figure.update_layout(title="Single needle vs multi-hop (vartrack k hops) at the same budget", barmode="group",
+                         yaxis_title="accuracy", yaxis_tickformat=".0%", yaxis_range=[0, 1.15], height=380,
+                         legend_title="task", margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
+def tail_context_html(tokens: Sequence[str], evicted_share: Sequence[float] | None,
+                      spans: Sequence[tuple[str, Sequence[int]]]) -> str:
+    """The prompt with planted spans marked: green where every layer and head kept them, red (strength = share of
+    layers x heads) where they were evicted; other tokens fade the more they were evicted."""
+    share = np.zeros(len(tokens)) if evicted_share is None else np.asarray(evicted_share, dtype=float)
+    planted = {p: label for label, positions in spans for p in positions}
+    pieces = []
+    for position, token in enumerate(tokens):
+        lost = float(share[position]) if position < len(share) else 0.0
+        if position in planted:
+            style = (f"background:rgba(214,39,40,{0.35 + 0.6 * lost:.2f});font-weight:bold" if lost > 0
+                     else "background:rgba(44,160,44,0.35)")
+            title = f"#{position} {planted[position]}: evicted in {lost:.0%} of layers x heads"
+        else:
+            style = f"color:rgba(0,0,0,{1 - 0.75 * lost:.2f})" + (";text-decoration:line-through" if lost >= 1 else "")
+            title = f"#{position}: evicted in {lost:.0%} of layers x heads"
+        pieces.append(f'<span title="{html.escape(title)}" style="{style}">{_style(token)}</span>')
+    return _wrap("".join(pieces))

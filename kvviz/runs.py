@@ -25,6 +25,7 @@ from kvviz.models import LoadedModel, cache_dir
 from kvviz.needle import NeedleReport, run_needle_grid
 from kvviz.results import Comparison
 from kvviz.session import PromptSession, compare
+from kvviz.tail import TailReport, run_tail
 
 Progress = Callable[[float, str], None]
 MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
@@ -119,6 +120,24 @@ class NeedleRequest(RunRequest):
         return run_needle_grid(loaded, list(self.specs), list(self.lengths), list(self.depths), trials=self.trials,
                                chat=self.chat, mode=self.mode, max_new_tokens=self.max_new_tokens,
                                progress=progress)
+
+
+@dataclass(frozen=True)
+class TailRequest(RunRequest):
+    """Tail risk: the multi-key, multi-value, variable-tracking and instruction tasks per method."""
+
+    kind: ClassVar[str] = "tail"
+    specs: tuple[str, ...]
+    tasks: tuple[str, ...]
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    hops: tuple[int, ...]
+    mode: str
+    protect: tuple[str, ...]
+
+    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> TailReport:
+        return run_tail(loaded, list(self.specs), list(self.tasks), list(self.lengths), list(self.depths),
+                        list(self.hops), mode=self.mode, protect=list(self.protect), progress=progress)
 
 
 @dataclass

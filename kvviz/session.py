@@ -23,6 +23,7 @@ from kvviz.memory import model_card
 from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.metrics import forced_comparison
 from kvviz.models import LoadedModel
+from kvviz.protect import protected_positions
 from kvviz.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids, forward_step
 from kvviz.results import Comparison, MethodResult
 
@@ -109,8 +110,11 @@ class PromptSession:
         self._capture = capture
         return self._prefill
 
-    def fork(self, stack: MethodStack, ledger: bool = True) -> KVCache:
-        """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill."""
+    def fork(self, stack: MethodStack, ledger: bool = True, protect: list[tuple[int, int]] | None = None) -> KVCache:
+        """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill.
+
+        ``protect``: ``[start, end)`` token spans no eviction may drop (:mod:`kvviz.protect`).
+        """
         if stack.eviction is not None:
             stack.eviction.check_context(len(self.prompt_ids))
         heads = self.card.kv_heads
@@ -121,7 +125,8 @@ class PromptSession:
         book = None
         if ledger and stack.eviction is not None:
             book = EvictionLedger.empty(self.num_layers, heads, len(self.prompt_ids), len(self.prompt_ids) + 64)
-        return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys)
+        protected = protected_positions(protect) if protect else None
+        return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys, protected)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         """Generated text; random-weight benchmark models have no tokenizer and no text."""
@@ -142,14 +147,16 @@ class PromptSession:
     def run(self, spec: str | MethodStack, max_new_tokens: int, sampling: Sampling | None = None,
             forced_tokens: list[int] | None = None, keep_logprobs: bool = False,
             progress: Progress | None = None,
-            suffix_tokens: list[int] | None = None) -> tuple[MethodResult, DecodeTrace]:
+            suffix_tokens: list[int] | None = None,
+            protect: list[tuple[int, int]] | None = None) -> tuple[MethodResult, DecodeTrace]:
         """Fork a cache for one method and decode; returns the result and the raw trace.
 
-        ``suffix_tokens`` are fed after compression, before generating (see :func:`kvviz.replay.decode`).
+        ``suffix_tokens`` are fed after compression, before generating (see :func:`kvviz.replay.decode`);
+        ``protect`` spans are never evicted (:mod:`kvviz.protect`).
         """
         stack = parse_spec(spec) if isinstance(spec, str) else spec
         started = time.perf_counter()
-        cache = self.fork(stack)
+        cache = self.fork(stack, protect=protect)
         prefill = self.prefill(self._capture)
         trace = decode(self.loaded.model, cache, prefill.last_logits, max_new_tokens, self.loaded.device,
                        self.eos_ids, sampling, forced_tokens, keep_logprobs, progress, suffix_tokens)

@@ -11,9 +11,20 @@ from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, per_kv_
 
 @dataclass
 class H2OState:
-    """Accumulated attention per cached entry of one layer, [B, H_kv, T], aligned with the cache's entries."""
+    """Accumulated attention of the entries H2O kept at its last selection, [B, H_kv, T], with their absolute
+    positions: the next step matches scores to entries by position, so the cache may keep more than H2O chose
+    (protected spans, :mod:`kvviz.protect`; those start again from 0)."""
 
     scores: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+    def carried(self, positions: torch.Tensor) -> torch.Tensor:
+        """The accumulated score of each entry at ``positions`` [B, H_kv, T] (ascending per head); 0 for new ones."""
+        if self.scores is None:
+            return torch.zeros(positions.shape, device=positions.device)
+        index = torch.searchsorted(self.positions, positions.contiguous()).clamp(max=self.positions.shape[-1] - 1)
+        matched = self.positions.gather(-1, index) == positions
+        return torch.where(matched, self.scores.gather(-1, index), torch.zeros((), device=self.scores.device))
 
 
 @register
@@ -43,13 +54,9 @@ class H2O(EvictionMethod):
         return self._evict(view, scores.to(view.positions.device))
 
     def select(self, view: LayerView) -> torch.Tensor | None:
-        batch, kv_heads, length = view.positions.shape
+        kv_heads = view.positions.shape[1]
         received = per_kv_head(view.attention.float().sum(2), kv_heads)
-        previous = view.state.scores
-        if previous is None:
-            previous = torch.zeros(batch, kv_heads, 0, device=received.device)
-        scores = torch.nn.functional.pad(previous, (0, length - previous.shape[-1])) + received
-        return self._evict(view, scores)
+        return self._evict(view, view.state.carried(view.positions).to(received.device) + received)
 
     def _evict(self, view: LayerView, scores: torch.Tensor) -> torch.Tensor | None:
         """Keep the recent window and the top heavy hitters outside it; carry the kept entries' scores forward."""
@@ -59,7 +66,10 @@ class H2O(EvictionMethod):
         forced = torch.zeros(length, dtype=torch.bool, device=scores.device)
         forced[length - recent:] = True
         keep = topk_keep(scores, recent + self.heavy.tokens(seen), forced)
-        view.state.scores = scores if keep is None else scores.gather(-1, keep)
+        if keep is None:
+            view.state.scores, view.state.positions = scores, view.positions.contiguous()
+        else:
+            view.state.scores, view.state.positions = scores.gather(-1, keep), view.positions.gather(-1, keep)
         return keep
 
     def budget_for(self, prompt_length: int) -> int:

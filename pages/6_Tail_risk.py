@@ -1,0 +1,144 @@
+"""Tail risk: multi-key, multi-value and multi-hop retrieval and system-prompt instructions, per method."""
+
+import json
+
+import pandas as pd
+import streamlit as st
+
+from kvviz import plots
+from kvviz.tail import MAX_HOPS, MODES, PROTECT, TASKS
+from ui import (
+    budget_spec,
+    method_configurator,
+    page_header,
+    query_value,
+    require_model,
+    run_tail_report,
+    share_settings,
+    token_texts,
+)
+
+LENGTHS = [128, 256, 384, 512, 1024, 2048]
+DEPTHS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9]
+MAX_CONFIGS = 4
+
+page_header("Tail risk", "Tail risk: what the single needle does not show",
+            "A method can find one pass key and still lose a distractor-laden key, one of several values, one hop of "
+            "a chain or an instruction of the system prompt. Items are kept only where the full cache gets them "
+            "right, so every failure below is the method's; the eviction ledger names the planted tokens it lost.")
+
+loaded = require_model()
+
+
+def url_list(name: str, default: list, options: list, cast: type) -> list:
+    """A list setting from repeated URL keys, restricted to the offered options."""
+    try:
+        values = [cast(v) for v in st.query_params.get_all(name)]
+    except ValueError:
+        values = []
+    return [v for v in values if v in options] or default
+
+
+with st.sidebar:
+    st.subheader("Tasks")
+    tasks = st.multiselect("Task families", list(TASKS), url_list("task", list(TASKS), list(TASKS), str),
+                           key="tail_tasks")
+    lengths = st.multiselect("Prompt lengths (tokens)", LENGTHS, url_list("len", [256], LENGTHS, int),
+                             key="tail_lengths")
+    depths = st.multiselect("Depth of the first planted statement", DEPTHS, url_list("depth", [0.25], DEPTHS, float),
+                            format_func=lambda d: f"{d:.0%}", key="tail_depths")
+    hop_options = list(range(1, MAX_HOPS + 1))
+    hops = st.multiselect("vartrack hops (k)", hop_options, url_list("hops", [1, 2], hop_options, int),
+                          key="tail_hops", help="A chain of k assignments; k=1 is a single needle.")
+    mode_default = query_value("mode", "query_aware", str)
+    mode = st.radio("Mode", list(MODES), index=list(MODES).index(mode_default) if mode_default in MODES else 0,
+                    key="tail_mode", help="query_aware compresses the prompt with the question in it; query_agnostic "
+                                          "compresses the context alone and asks afterwards.")
+    protect = st.multiselect("Also run each eviction method protecting", list(PROTECT),
+                             url_list("protect", ["system"], list(PROTECT), str), key="tail_protect",
+                             help="system: the system turn (the instructions); planted: every planted statement "
+                                  "(an oracle). Protected tokens are kept on top of the method's budget.")
+    count = st.number_input("Methods", 1, MAX_CONFIGS, min(MAX_CONFIGS, len(st.query_params.get_all("m")) or 2),
+                            key="tail_configs")
+
+url_specs = st.query_params.get_all("m") or [s for s in (budget_spec("streaming_llm", 64),
+                                                         budget_spec("snapkv", 64)) if s]
+st.caption("`full` always runs first: it decides which items count.")
+specs = []
+columns = st.columns(MAX_CONFIGS)
+for index in range(int(count)):
+    with columns[index].container(border=True):
+        specs.append(method_configurator(index, url_specs[index] if index < len(url_specs) else "full",
+                                         prefix="tail"))
+valid = list(dict.fromkeys(s for s in specs if s is not None))
+share_settings(m=valid, task=tasks, len=sorted(lengths), depth=sorted(depths), hops=sorted(hops), mode=mode,
+               protect=protect)
+items = sum((len(hops) if t == "vartrack" else 1) * (1 if t == "instructions" else len(depths)) for t in tasks)
+items *= len(lengths)
+runs = 1 + len(valid) + len(protect) * sum(s != "full" for s in valid)
+st.caption(f"{items} prompts × up to {runs} runs each; on a CPU each run takes a few seconds, longer prompts more.")
+ready = bool(tasks and lengths and depths and valid) and None not in specs and ("vartrack" not in tasks or hops)
+if not ready:
+    st.warning("Choose at least one task, length and depth (and a hop count for vartrack).")
+if st.button("Run the tasks", type="primary", disabled=not ready):
+    st.session_state["tail_request"] = (tuple(valid), tuple(tasks), tuple(sorted(lengths)), tuple(sorted(depths)),
+                                        tuple(sorted(hops)), mode, tuple(protect))
+
+request = st.session_state.get("tail_request")
+if request is None:
+    st.info("Choose tasks and methods, then press **Run the tasks**.")
+    st.stop()
+try:
+    report = run_tail_report(loaded, *[list(r) if isinstance(r, tuple) else r for r in request])
+except ValueError as error:
+    st.error(str(error))
+    st.stop()
+
+calibration = pd.DataFrame(report.calibration)
+beyond = calibration[calibration["kept"] == 0]["task"].tolist()
+st.success(f"{len(report.cells)} calibrated runs in {report.seconds:.1f} s. Kept (full right / generated): "
+           + ", ".join(f"{r.task} {r.kept}/{r.generated}" for r in calibration.itertuples()))
+if beyond:
+    st.warning(f"Beyond {loaded.name} at these settings (the full cache never got them right, so they are not "
+               f"scored): {', '.join(beyond)}. A larger model is needed for these.")
+if not report.cells:
+    st.stop()
+frame = report.to_frame()
+summary = pd.DataFrame(report.summary())
+st.plotly_chart(plots.tail_heatmap(summary), width="stretch")
+if summary["task"].map(lambda t: t == "needle" or t.startswith("vartrack")).any():
+    st.plotly_chart(plots.tail_contrast_figure(summary), width="stretch")
+
+st.subheader("Failures: what each one lost")
+failures = frame[~frame["correct"]]
+if failures.empty:
+    st.caption("Every method got every kept item right.")
+    st.stop()
+causes = failures["cause"].value_counts().to_dict()
+st.caption(f"{len(failures)} failed runs: " + ", ".join(f"{n} {cause}" for cause, n in causes.items())
+           + ". evicted: a planted statement the answer needed left the cache in some layer; not evicted: the "
+             "planted tokens all stayed, the method lost other context; quantization: nothing was evicted.")
+choices = {f"{row.method} · {row.item_id}": index for index, row in failures.iterrows()}
+chosen = st.selectbox("Failure", list(choices), key="tail_failure")
+cell = report.cells[choices[chosen]]
+item = next(i for i in report.items if i.item_id == cell.item_id)
+left, right = st.columns([3, 2])
+with left:
+    tokens = token_texts(loaded.name, tuple(item.ids), loaded.tokenizer)
+    st.html(plots.tail_context_html(tokens, cell.evicted_share, [(s.label, s.positions) for s in item.spans]))
+    st.caption("Planted statements: green = kept in every layer and head, red = evicted (darker: more layers). "
+               "Other tokens fade the more they were evicted.")
+with right:
+    st.markdown(f"**Answer** ({cell.method}): `{cell.answer.strip()}`")
+    st.markdown("**Checks**: " + ", ".join(f"{k} {'met' if ok else 'missed'}" for k, ok in cell.checks.items()))
+    st.dataframe(pd.DataFrame([{"span": f.label, "role": f.role, "evicted": f.evicted, "first step": f.evicted_step,
+                                "layers": len(f.evicted_layers)} for f in cell.spans]), hide_index=True,
+                 width="stretch")
+st.dataframe(failures[["method", "task_label", "length", "depth", "answer", "cause", "lost"]], hide_index=True,
+             width="stretch")
+
+left, right = st.columns(2)
+left.download_button("Runs as CSV", frame.drop(columns=["spans", "evicted_share"]).to_csv(index=False),
+                     "kvviz-tail.csv", "text/csv")
+right.download_button("Report as JSON", json.dumps(report.to_json(), indent=1, default=str), "kvviz-tail.json",
+                      "application/json")
