@@ -19,7 +19,8 @@ from kvviz.memory import model_card
 from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.metrics import forced_comparison
 from kvviz.models import LoadedModel
-from kvviz.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids, forward_step
+from kvviz.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
+from kvviz.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
 from kvviz.results import Comparison, MethodResult
 
 
@@ -66,12 +67,14 @@ class Prefill:
     last_logits: torch.Tensor
     stats: AttentionStats | None
     seconds: float
+    reused_tokens: int = 0  # leading prompt tokens taken from the model's prefix cache (kvviz.prefix)
 
 
 class PromptSession:
     """A loaded model and one tokenized prompt. Not thread-safe: hold ``loaded.lock`` around its use."""
 
-    def __init__(self, loaded: LoadedModel, prompt_ids: list[int]):
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int], reuse_prefix: bool = False):
+        """``reuse_prefix``: prefill through the model's prefix cache when the capture allows (kvviz.prefix)."""
         if not prompt_ids:
             raise PromptError("the prompt is empty")
         context = getattr(loaded.config, "max_position_embeddings", None)
@@ -84,6 +87,7 @@ class PromptSession:
         self.eos_ids = eos_token_ids(loaded.model, loaded.tokenizer)
         self._prefill: Prefill | None = None
         self._capture: CaptureConfig | None = None
+        self.reuse_prefix = reuse_prefix
 
     @property
     def num_layers(self) -> int:
@@ -93,15 +97,15 @@ class PromptSession:
         """Run the prompt once into a dense cache; reuse it while the capture asked for is covered."""
         if self._prefill is not None and _covers(self._capture, capture):
             return self._prefill
-        cache = KVCache(self.num_layers)
-        cache.prompt_length = len(self.prompt_ids)
+        limit = reusable_tokens(capture, len(self.prompt_ids)) if self.reuse_prefix else 0
         recorder = StatsRecorder(capture, len(self.prompt_ids)) if capture is not None else None
-        started = time.perf_counter()
         inputs = (recording_layer_inputs(self.loaded.model, recorder.stats.layer_inputs)
                   if capture is not None and capture.layer_inputs else contextlib.nullcontext())
-        with torch.inference_mode(), listening(*([recorder] if recorder else [])), inputs:
-            logits = forward_step(self.loaded.model, cache, self.prompt_ids, 0, 0, self.loaded.device)
-        self._prefill = Prefill(cache, logits, recorder.finish() if recorder else None, time.perf_counter() - started)
+        with listening(*([recorder] if recorder else [])), inputs:
+            run = prefill_with_prefix(self.loaded, self.prompt_ids, prefix_cache_for(self.loaded) if limit else None,
+                                      limit)
+        self._prefill = Prefill(run.cache, run.last_logits, recorder.finish() if recorder else None, run.seconds,
+                                run.lookup.reused_tokens)
         self._capture = capture
         return self._prefill
 
@@ -184,20 +188,22 @@ def compare(
     max_new_tokens: int = 64,
     sampling: Sampling | None = None,
     progress: Progress | None = None,
+    reuse_prefix: bool = True,
 ) -> Comparison:
     """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
 
     Each method's text is its own free-running output; its agreement, KL and first divergence are teacher-forced on
     full's tokens (:mod:`kvviz.metrics`). A method whose free-running tokens equal full's needs no second decode:
     teacher forcing would feed it exactly the inputs it already saw. A method that fails is reported with its error
-    while the others still complete.
+    while the others still complete. ``reuse_prefix``: the prefill reuses the model's prefix cache where the methods'
+    capture allows (editing the end of a long prompt re-runs only the tail; see :mod:`kvviz.prefix`).
     """
     stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
     if not any(s.label == "full" for s in stacks):
         stacks.insert(0, parse_spec("full"))
     stacks.sort(key=lambda s: s.label != "full")
     with loaded.lock:
-        session = PromptSession(loaded, prompt_ids)
+        session = PromptSession(loaded, prompt_ids, reuse_prefix)
         prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
         results: list[MethodResult] = []
         reference: MethodResult | None = None
