@@ -22,6 +22,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,6 +34,45 @@ from kvviz.replay import forward_step
 
 BLOCK_TOKENS = 16  # vLLM's default block size
 BUDGET_BYTES = 512 * 2**20  # per loaded model: about 11K tokens of SmolLM2-135M in float32
+PREAMBLE_FILE = Path(__file__).resolve().parent.parent / "assets" / "prefix_preamble.txt"
+DEFAULT_QUESTIONS = (
+    "Can I take my bicycle and a kayak on the 14:00 sailing to the Rock, and what will that cost?",
+    "I use a wheelchair and I am driving to Kilmory in August. How do I board?",
+)
+TIMESTAMP = "Current date and time: 2026-11-29 22:41:07 UTC."
+
+
+def default_preamble() -> str:
+    """A help-desk system prompt with few-shot examples in ChatML (about 1.1K SmolLM2 tokens)."""
+    return PREAMBLE_FILE.read_text(encoding="utf-8")
+
+
+def question_turn(preamble: str, question: str) -> str:
+    """The text appended to ``preamble`` to ask ``question``: a ChatML user turn when the preamble is ChatML."""
+    if "<|im_start|>" in preamble:
+        return f"<|im_start|>user\n{question.strip()}<|im_end|>\n<|im_start|>assistant\n"
+    return f"\nQuestion: {question.strip()}\nAnswer:"
+
+
+def turn_ids(tokenizer, preamble: str, question: str) -> tuple[list[int], list[int]]:
+    """Preamble and question tokenized apart, so every question's prompt starts with the very same preamble ids
+    (tokenizing the joined text could merge tokens across the seam)."""
+    return ([int(i) for i in tokenizer(preamble)["input_ids"]],
+            [int(i) for i in tokenizer(question_turn(preamble, question))["input_ids"]])
+
+
+def edit_preamble(preamble: str, edit: str, line: int) -> str:
+    """The preamble with one byte-level change after its line ``line`` (0-based): ``timestamp`` inserts a date line,
+    ``reorder`` swaps that line with the next one. Every block from the change on gets a new hash."""
+    lines = preamble.split("\n")
+    line = max(0, min(line, len(lines) - 2))
+    if edit == "timestamp":
+        lines.insert(line + 1, TIMESTAMP)
+    elif edit == "reorder":
+        lines[line], lines[line + 1] = lines[line + 1], lines[line]
+    else:
+        raise ValueError(f"unknown edit {edit!r}; choose timestamp or reorder")
+    return "\n".join(lines)
 
 
 def block_hashes(token_ids: list[int], block_tokens: int = BLOCK_TOKENS, salt: str = "") -> list[str]:
@@ -317,6 +357,7 @@ def run_turns(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] |
     reused logits compared with the fresh ones. Hold ``loaded.lock`` or call from one thread per model."""
     prefix = PrefixCache(block_tokens=block_tokens, budget_bytes=2**62)
     report = ReuseReport(block_tokens)
+    prefill_with_prefix(loaded, prompts[0][:block_tokens], None)  # warm-up: the first forward pays one-off costs
     labels = labels or [f"turn {i + 1}" for i in range(len(prompts))]
     for turn, (label, ids) in enumerate(zip(labels, prompts, strict=True)):
         if progress is not None:
