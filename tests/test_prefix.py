@@ -162,3 +162,52 @@ def test_real_model_reuse_is_exact(real_model, story_ids):
     report = run_turns(real_model, [preamble + story_ids[170:190], preamble + story_ids[190:215]])
     assert report.turns[1].lookup.reused_tokens == 160
     assert report.turns[1].max_logit_diff < 1e-3
+
+
+SHORT_PREAMBLE = (
+    "<|im_start|>system\nYou are Harbourmaster, the ferry help desk. Answer in one short sentence.\n"
+    "Ferries leave Port Ellen for the Rock at 07:15, 10:30, 14:00 and 18:45 in summer.\n"
+    "A bicycle costs 3 pounds, a kayak 8 pounds, an adult single 14 pounds.\n"
+    "Every vessel has a lift and two accessible toilets; wheelchair users board first.<|im_end|>\n"
+)
+
+
+def test_prefix_page_figures_equal_the_engines(monkeypatch, tmp_path, real_model):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    from kvviz.prefix import DEFAULT_QUESTIONS, edit_preamble, turn_ids
+    from kvviz.prefix_sharing import compare_sharing
+
+    preamble_file = tmp_path / "preamble.txt"
+    preamble_file.write_text(SHORT_PREAMBLE, encoding="utf-8")
+    monkeypatch.setattr("kvviz.prefix.PREAMBLE_FILE", preamble_file)
+    spec = "streaming_llm:sinks=4,window=24,rerotate=0"
+    app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "pages" / "7_Prefix_reuse.py"),
+                            default_timeout=900)
+    app.query_params["len"] = ["128"]
+    app.query_params["m"] = [spec]
+    app.query_params["n"] = "3"
+    app.run()
+    assert not app.exception and not app.error, [e.value for e in app.error]
+    assert len(app.get("plotly_chart")) == 5  # block table, TTFT, stability table, Jaccard, context cost
+
+    tokenizer = real_model.tokenizer
+    pieces = [turn_ids(tokenizer, SHORT_PREAMBLE, q) for q in DEFAULT_QUESTIONS]
+    edited = turn_ids(tokenizer, edit_preamble(SHORT_PREAMBLE, "timestamp", 1), DEFAULT_QUESTIONS[-1])
+    prompts = [p + q for p, q in pieces] + [edited[0] + edited[1]]
+    engine = run_turns(real_model, prompts, block_tokens=16)
+    shown = app.dataframe[0].value
+    assert list(shown["hit_blocks"]) == [t.lookup.hits for t in engine.turns[:-1]]
+    assert list(shown["reused_tokens"]) == [t.lookup.reused_tokens for t in engine.turns[:-1]]
+    assert engine.turns[1].lookup.hits == len(pieces[0][0]) // 16
+    metrics = {m.label: m.value for m in app.metric}
+    edited_turn = engine.turns[-1]
+    assert metrics["Blocks reused after the edit"] == f"{edited_turn.lookup.hits} / {len(edited_turn.lookup.blocks)}"
+    assert edited_turn.lookup.hits < engine.turns[1].lookup.hits
+
+    sharing = compare_sharing(real_model, pieces[0][0], pieces[0][1], pieces[1][1], [spec], 3)
+    table = app.dataframe[1].value
+    assert list(table["Jaccard (mean)"]) == [r.jaccard for r in sharing.rows]
+    assert list(table["shareable"]) == [r.shareable for r in sharing.rows]
