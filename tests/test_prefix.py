@@ -211,3 +211,24 @@ def test_prefix_page_figures_equal_the_engines(monkeypatch, tmp_path, real_model
     table = app.dataframe[1].value
     assert list(table["Jaccard (mean)"]) == [r.jaccard for r in sharing.rows]
     assert list(table["shareable"]) == [r.shareable for r in sharing.rows]
+
+
+def test_cli_prefix_refuses_a_method_that_does_not_evict(capsys):
+    from kvviz.cli import main
+
+    assert main(["prefix", "--method", "kivi:bits=2", "--quiet"]) == 2
+    assert "prefix sharing compares eviction methods" in capsys.readouterr().err
+
+
+def test_edits_change_every_block_from_the_edit_on(real_model):
+    from kvviz.prefix import default_preamble, edit_preamble
+
+    tokenizer = real_model.tokenizer
+    original = default_preamble()
+    late = len(original.split("\n")) - 3
+    for edit, line, changed_early in (("timestamp", 1, True), ("reorder", late, False)):
+        before = block_hashes(tokenizer(original)["input_ids"])
+        after = block_hashes(tokenizer(edit_preamble(original, edit, line))["input_ids"])
+        first = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+        assert (first < 3) == changed_early
+        assert all(a != b for a, b in zip(before[first:], after[first:], strict=False))
