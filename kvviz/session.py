@@ -102,8 +102,8 @@ class PromptSession:
         inputs = (recording_layer_inputs(self.loaded.model, recorder.stats.layer_inputs)
                   if capture is not None and capture.layer_inputs else contextlib.nullcontext())
         with listening(*([recorder] if recorder else [])), inputs:
-            run = prefill_with_prefix(self.loaded, self.prompt_ids, prefix_cache_for(self.loaded) if limit else None,
-                                      limit)
+            run = prefill_with_prefix(self.loaded, self.prompt_ids,
+                                      prefix_cache_for(self.loaded) if self.reuse_prefix else None, limit)
         self._prefill = Prefill(run.cache, run.last_logits, recorder.finish() if recorder else None, run.seconds,
                                 run.lookup.reused_tokens)
         self._capture = capture

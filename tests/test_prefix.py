@@ -232,3 +232,12 @@ def test_edits_change_every_block_from_the_edit_on(real_model):
         first = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
         assert (first < 3) == changed_early
         assert all(a != b for a, b in zip(before[first:], after[first:], strict=False))
+
+
+def test_capture_over_every_query_prefills_the_whole_prompt(tiny_model, story_ids):
+    ids = story_ids[:64]
+    PromptSession(tiny_model, ids + [5], reuse_prefix=True).prefill()
+    prefill = PromptSession(tiny_model, ids + [6], reuse_prefix=True).prefill(CaptureConfig())
+    assert prefill.reused_tokens == 0
+    assert prefill.stats.sink_mass[0].shape[-1] == 65  # every query's sink mass, which reused blocks cannot give
+    assert PromptSession(tiny_model, ids + [7], reuse_prefix=True).prefill().reused_tokens == 64
