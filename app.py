@@ -10,4 +10,5 @@ st.navigation([
     st.Page("pages/4_Memory_planner.py", title="Memory planner", icon=":material/memory:"),
     st.Page("pages/5_Lessons.py", title="Lessons", icon=":material/school:"),
     st.Page("pages/6_Tail_risk.py", title="Tail risk", icon=":material/warning:"),
+    st.Page("pages/7_Prefix_reuse.py", title="Prefix reuse", icon=":material/cached:"),
 ]).run()

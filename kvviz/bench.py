@@ -81,6 +81,8 @@ class Sizes:
     batched_prompt: int = 2048
     batched_tokens: int = 32
     repeats: int = 2
+    prefix_preamble: int = 1536
+    prefix_question: int = 30
 
 
 SIZES: dict[str, Sizes] = {
@@ -89,7 +91,7 @@ SIZES: dict[str, Sizes] = {
                    capture_lengths=(64, 128), decode_prompt=96, decode_budget=32, decode_steps=2,
                    bookkeeping_context=64, peer_prompt=160, ppl_tokens=16, needle_lengths=(120,),
                    needle_depths=(0.5,), needle_tokens=3, batched_prompt=96, batched_tokens=4, app_prompt=64,
-                   app_tokens=2, app_lessons=False, repeats=1),
+                   app_tokens=2, app_lessons=False, prefix_preamble=96, prefix_question=8, repeats=1),
     "gpu": Sizes(compare_prompt=4096, compare_tokens=32, generate_prompt=4096, generate_tokens=128,
                  capture_lengths=(4096, 8192, 16384, 32768), decode_prompt=32768, decode_budget=1024,
                  decode_steps=32, bookkeeping_context=8192, peer_prompt=16384, ppl_tokens=2048, repeats=3),
@@ -97,7 +99,7 @@ SIZES: dict[str, Sizes] = {
 
 # Cheapest first, so a run cut short still has the core figures (its JSON is rewritten after every section).
 SECTIONS = ("shared_prefill", "batched_compare", "kv_bytes", "replay_vs_generate", "bookkeeping", "decode_large_cache",
-            "kivi", "peer_kvpress", "capture", "perplexity", "needle", "app")
+            "kivi", "peer_kvpress", "capture", "perplexity", "needle", "prefix", "app")
 
 
 @dataclass
@@ -773,6 +775,45 @@ def section_needle(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> 
     return section
 
 
+def section_prefix(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> Section:
+    """A preamble reused by a second question (time to first token, exactness) and the kept-set overlap of two
+    questions under query-aware and query-agnostic eviction."""
+    from kvviz.prefix import run_turns
+    from kvviz.prefix_sharing import compare_sharing
+
+    section = Section("prefix", "Prefix reuse: a shared preamble and a new question")
+    question = sizes.prefix_question
+    preamble = _fit(loaded, sizes.prefix_preamble, headroom=64 + 2 * question)
+    ids = prompt_tokens(loaded, preamble + 2 * question)
+    preamble_ids, question_a, question_b = ids[:preamble], ids[preamble:preamble + question], ids[preamble + question:]
+    log(f"  {preamble}-token preamble, two {question}-token questions, fresh and with reuse")
+    report = run_turns(loaded, [preamble_ids + question_a, preamble_ids + question_b], repeats=sizes.repeats)
+    second = report.turns[1]
+    section.add("preamble_tokens", preamble)
+    section.add("reused_tokens", second.lookup.reused_tokens, note=f"{second.lookup.hits} blocks of 16 hit")
+    section.add("ttft_fresh_seconds", second.ttft_fresh, "s")
+    section.add("ttft_reused_seconds", second.ttft_reused, "s")
+    section.add("ttft_reuse_vs_fresh", second.ttft_reused / second.ttft_fresh, "x", "<= 0.3")
+    exact = "< 1e-3" if loaded.dtype == torch.float32 else ""
+    section.add("max_logit_diff", second.max_logit_diff, target=exact, note=str(loaded.dtype).replace("torch.", ""))
+    specs = [f"snapkv:budget={preamble // 4},window={max(8, question)}",
+             f"streaming_llm:sinks=4,window={preamble // 4 - 4},rerotate=0"]
+    if importlib.util.find_spec("kvpress") is not None:
+        specs.append("kvpress:press=knorm,ratio=0.75")
+    log("  kept-set overlap between the two questions: " + ", ".join(specs))
+    sharing = compare_sharing(loaded, preamble_ids, question_a, question_b, specs, sizes.compare_tokens)
+    for row in sharing.rows:
+        method = row.method.split(":")[0] if "press=" not in row.method else row.method.split(",")[0]
+        name = f"jaccard:{method}:{row.mode}"
+        target = "== 1.0" if row.mode == "query_agnostic" else ""
+        section.add(name, row.jaccard, target=target,
+                    note=f"min over layers {min(row.jaccard_per_layer):.3f}; "
+                         f"{'shareable' if row.shareable else 'not shareable'}; B from A's cache: agreement "
+                         f"{row.agreement_shared:.2f} (own {row.agreement_own:.2f}), KL {row.mean_kl_shared:.4f} "
+                         f"(own {row.mean_kl_own:.4f})")
+    return section
+
+
 RUNNERS = {
     "shared_prefill": section_shared_prefill,
     "batched_compare": section_batched_compare,
@@ -786,6 +827,7 @@ RUNNERS = {
     "perplexity": section_perplexity,
     "needle": section_needle,
     "app": section_app,
+    "prefix": section_prefix,
 }
 
 

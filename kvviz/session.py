@@ -23,8 +23,9 @@ from kvviz.memory import model_card
 from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.metrics import forced_comparison
 from kvviz.models import LoadedModel
+from kvviz.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
 from kvviz.protect import protected_positions
-from kvviz.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids, forward_step
+from kvviz.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
 from kvviz.results import Comparison, MethodResult
 
 
@@ -71,12 +72,14 @@ class Prefill:
     last_logits: torch.Tensor
     stats: AttentionStats | None
     seconds: float
+    reused_tokens: int = 0  # leading prompt tokens taken from the model's prefix cache (kvviz.prefix)
 
 
 class PromptSession:
     """A loaded model and one tokenized prompt. Not thread-safe: hold ``loaded.lock`` around its use."""
 
-    def __init__(self, loaded: LoadedModel, prompt_ids: list[int]):
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int], reuse_prefix: bool = False):
+        """``reuse_prefix``: prefill through the model's prefix cache when the capture allows (kvviz.prefix)."""
         if not prompt_ids:
             raise PromptError("the prompt is empty")
         context = getattr(loaded.config, "max_position_embeddings", None)
@@ -89,6 +92,7 @@ class PromptSession:
         self.eos_ids = eos_token_ids(loaded.model, loaded.tokenizer)
         self._prefill: Prefill | None = None
         self._capture: CaptureConfig | None = None
+        self.reuse_prefix = reuse_prefix
 
     @property
     def num_layers(self) -> int:
@@ -98,15 +102,15 @@ class PromptSession:
         """Run the prompt once into a dense cache; reuse it while the capture asked for is covered."""
         if self._prefill is not None and _covers(self._capture, capture):
             return self._prefill
-        cache = KVCache(self.num_layers)
-        cache.prompt_length = len(self.prompt_ids)
+        limit = reusable_tokens(capture, len(self.prompt_ids)) if self.reuse_prefix else 0
         recorder = StatsRecorder(capture, len(self.prompt_ids)) if capture is not None else None
-        started = time.perf_counter()
         inputs = (recording_layer_inputs(self.loaded.model, recorder.stats.layer_inputs)
                   if capture is not None and capture.layer_inputs else contextlib.nullcontext())
-        with torch.inference_mode(), listening(*([recorder] if recorder else [])), inputs:
-            logits = forward_step(self.loaded.model, cache, self.prompt_ids, 0, 0, self.loaded.device)
-        self._prefill = Prefill(cache, logits, recorder.finish() if recorder else None, time.perf_counter() - started)
+        with listening(*([recorder] if recorder else [])), inputs:
+            run = prefill_with_prefix(self.loaded, self.prompt_ids,
+                                      prefix_cache_for(self.loaded) if self.reuse_prefix else None, limit)
+        self._prefill = Prefill(run.cache, run.last_logits, recorder.finish() if recorder else None, run.seconds,
+                                run.lookup.reused_tokens)
         self._capture = capture
         return self._prefill
 
@@ -206,6 +210,7 @@ def compare(
     sampling: Sampling | None = None,
     progress: Progress | None = None,
     batched: bool = True,
+    reuse_prefix: bool = True,
 ) -> Comparison:
     """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
 
@@ -218,14 +223,16 @@ def compare(
     them (:mod:`kvviz.batch`); a method's teacher-forced twin joins at the step it first parts from full, and each
     result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False`` decodes the methods one
     after another after the same prefill: the baseline the batched path is tested and benchmarked against
-    (``kvviz bench --sections batched_compare``); it gives the same tokens, ledgers and bytes.
+    (``kvviz bench --sections batched_compare``); it gives the same tokens, ledgers and bytes. ``reuse_prefix``: the
+    prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
+    re-runs only the tail; see :mod:`kvviz.prefix`).
     """
     stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
     if not any(s.label == "full" for s in stacks):
         stacks.insert(0, parse_spec("full"))
     stacks.sort(key=lambda s: s.label != "full")
     with loaded.lock:
-        session = PromptSession(loaded, prompt_ids)
+        session = PromptSession(loaded, prompt_ids, reuse_prefix)
         prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
         quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
         decode_all = _compare_batched if batched else _compare_sequential

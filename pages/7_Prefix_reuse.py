@@ -1,0 +1,184 @@
+"""Prefix reuse: turns sharing a byte-stable preamble reuse its KV blocks; edits and query-aware eviction break it."""
+
+from collections.abc import Callable
+
+import pandas as pd
+import streamlit as st
+
+from kvviz import plots
+from kvviz.methods import SpecError, parse_spec
+from kvviz.models import LoadedModel
+from kvviz.prefix import (
+    DEFAULT_QUESTIONS,
+    ReuseReport,
+    context_cost,
+    default_preamble,
+    edit_preamble,
+    question_turn,
+    run_turns,
+    turn_ids,
+)
+from kvviz.prefix_sharing import DEFAULT_METHODS, SharingReport, compare_sharing
+from ui import page_header, query_value, queued, require_model, share_settings, through_queue
+
+LENGTHS = [128, 256, 512, 1024, 2048, 4096]
+EDITS = {"timestamp": "insert a timestamp line", "reorder": "swap two lines"}
+
+page_header("Prefix reuse", "Prefix reuse",
+            "Serving engines with prefix caching (vLLM's block hashes, SGLang's radix tree) keep a prompt's KV in "
+            "blocks keyed by a hash of the block's tokens and everything before it. A new prompt that starts with "
+            "the same bytes reuses those blocks and prefills only the rest. kvviz does the same here, live.")
+
+loaded = require_model()
+
+with st.sidebar:
+    st.subheader("Prefix cache")
+    block_tokens = st.number_input("Tokens per block", 4, 64, query_value("block", 16), key="prefix_block")
+    st.subheader("Byte stability")
+    edit = st.radio("Edit to the preamble", list(EDITS), format_func=EDITS.get, key="prefix_edit",
+                    index=list(EDITS).index(query_value("edit", "timestamp", str))
+                    if query_value("edit", "timestamp", str) in EDITS else 0)
+    edit_line = st.number_input("After line", 0, 200, query_value("line", 1), key="prefix_line",
+                                help="0 is the first line of the preamble; later lines keep more blocks.")
+    st.subheader("Eviction vs reuse")
+    max_new = st.number_input("Answer tokens compared", 2, 32, query_value("n", 8), key="prefix_n")
+    st.subheader("Context as a cost")
+    url_lengths = [int(v) for v in st.query_params.get_all("len") if v.isdigit() and int(v) in LENGTHS]
+    lengths = st.multiselect("Prompt lengths (tokens)", LENGTHS, url_lengths or [256, 512, 1024, 2048],
+                             key="prefix_lengths")
+spec_text = st.sidebar.text_area("Eviction methods (one SPEC per line)",
+                                 "\n".join(st.query_params.get_all("m") or DEFAULT_METHODS), key="prefix_methods")
+specs = [line.strip() for line in spec_text.splitlines() if line.strip()]
+try:
+    if any(parse_spec(spec).eviction is None for spec in specs):
+        raise SpecError("each method must evict (quantization alone keeps every token)")
+except SpecError as error:
+    st.sidebar.error(str(error))
+    specs = []
+share_settings(block=int(block_tokens), edit=edit, line=int(edit_line), n=int(max_new), len=sorted(lengths), m=specs)
+
+preamble = st.text_area("Shared preamble (system prompt and few-shot examples)", default_preamble(), height=220,
+                        key="prefix_preamble")
+question_text = st.text_area("Questions, one per turn (one per line; the first two are A and B below)",
+                             "\n".join(DEFAULT_QUESTIONS), height=80, key="prefix_questions")
+questions = [q.strip() for q in question_text.splitlines() if q.strip()]
+if not preamble.strip() or not questions:
+    st.warning("Enter a preamble and at least one question.")
+    st.stop()
+with st.expander("How a question is appended"):
+    st.code(question_turn(preamble, questions[0]), language=None)
+
+pieces = [turn_ids(loaded.tokenizer, preamble, q) for q in questions]
+preamble_ids = pieces[0][0]
+edited_ids = turn_ids(loaded.tokenizer, edit_preamble(preamble, edit, int(edit_line)), questions[-1])
+prompts = [preamble_ids + q for _, q in pieces] + [edited_ids[0] + edited_ids[1]]
+labels = [f"turn {i + 1}: {q[:32]}" for i, q in enumerate(questions)] + [f"edited preamble, turn {len(questions)}"]
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def cached_turns(model_name: str, prompts: tuple[tuple[int, ...], ...], labels: tuple[str, ...], block_tokens: int,
+                 _loaded: LoadedModel, _user: str, _progress: Callable[[float, str], None]) -> ReuseReport:
+    """The turns through a fresh prefix cache, keyed by their tokens."""
+    def job(report):
+        with _loaded.lock:
+            return run_turns(_loaded, [list(p) for p in prompts], list(labels), block_tokens, progress=report)
+    return through_queue(_user, job, _progress)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def cached_sharing(model_name: str, preamble: tuple[int, ...], question_a: tuple[int, ...],
+                   question_b: tuple[int, ...], specs: tuple[str, ...], max_new: int, _loaded: LoadedModel,
+                   _user: str, _progress: Callable[[float, str], None]) -> SharingReport:
+    return through_queue(_user, lambda report: compare_sharing(_loaded, list(preamble), list(question_a),
+                                                               list(question_b), list(specs), max_new, report),
+                         _progress)
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def cached_cost(model_name: str, tokens: tuple[int, ...], lengths: tuple[int, ...], _loaded: LoadedModel,
+                _user: str, _progress: Callable[[float, str], None]):
+    def job(report):
+        with _loaded.lock:
+            return context_cost(_loaded, list(tokens), list(lengths), report)
+    return through_queue(_user, job, _progress)
+
+
+report = queued(lambda user, progress: cached_turns(loaded.name, tuple(map(tuple, prompts)), tuple(labels),
+                                                    int(block_tokens), loaded, user, progress),
+                "Prefilling each turn fresh and with reuse…")
+turns = report.turns
+shared, edited = turns[:-1], turns[-1]
+
+st.subheader("Turns sharing a preamble")
+reused = shared[1:]
+largest = max((t.max_logit_diff for t in shared), default=0.0)
+columns = st.columns(4)
+columns[0].metric("Preamble", f"{len(preamble_ids):,} tokens", f"{len(preamble_ids) // int(block_tokens)} blocks",
+                  delta_color="off")
+if reused:
+    last = reused[-1]
+    columns[1].metric("Blocks reused (last turn)", f"{last.lookup.hits} / {len(last.lookup.blocks)}")
+    columns[2].metric("Time to first token", f"{last.ttft_reused * 1000:.0f} ms",
+                      f"{last.ttft_reused / last.ttft_fresh:.2f}x of {last.ttft_fresh * 1000:.0f} ms fresh",
+                      delta_color="off")
+columns[3].metric("Largest |logit difference|", f"{largest:.1e}", "reuse vs fresh prefill", delta_color="off")
+st.plotly_chart(plots.block_table_figure([[b.status for b in t.lookup.blocks] for t in shared],
+                                         [t.label for t in shared], int(block_tokens)), width="stretch")
+st.plotly_chart(plots.ttft_figure([t.label for t in shared], [t.ttft_fresh for t in shared],
+                                  [t.ttft_reused for t in shared]), width="stretch")
+st.caption("The first turn finds an empty cache and prefills everything; every later turn reuses the preamble's whole "
+           "blocks and feeds only its question (and the preamble's last part block). Logits after reuse match a "
+           "fresh prefill to float rounding: the same keys and values, computed in a different order.")
+st.dataframe(pd.DataFrame(report.to_rows()[:-1]), hide_index=True, width="stretch", key="prefix_turns_table")
+
+st.subheader("Byte stability")
+first_miss = edited.lookup.first_miss
+stable = shared[-1]
+st.markdown(f"The preamble with one edit ({EDITS[edit]} after line {int(edit_line)}), then the last question: "
+            + (f"block **{first_miss}** is the first miss, and every block after it misses too (a block's hash "
+               f"covers everything before it). **{edited.lookup.hits}** of {len(edited.lookup.blocks)} blocks "
+               f"reused, against {stable.lookup.hits} with the preamble left alone."
+               if first_miss is not None else "every block still hit."))
+columns = st.columns(3)
+columns[0].metric("Blocks reused after the edit", f"{edited.lookup.hits} / {len(edited.lookup.blocks)}")
+columns[1].metric("Time to first token, edited", f"{edited.ttft_reused * 1000:.0f} ms",
+                  f"{edited.ttft_reused / stable.ttft_reused:.1f}x the byte-stable turn's "
+                  f"{stable.ttft_reused * 1000:.0f} ms", delta_color="off")
+columns[2].metric("Prefill work added", f"{edited.prompt_tokens - edited.lookup.reused_tokens:,} tokens",
+                  f"vs {stable.prompt_tokens - stable.lookup.reused_tokens:,} byte-stable", delta_color="off")
+st.plotly_chart(plots.block_table_figure([[b.status for b in t.lookup.blocks] for t in (stable, edited)],
+                                         ["byte-stable", "edited"], int(block_tokens)), width="stretch")
+st.caption("Keep anything that changes per request (dates, user names, retrieved documents) after the stable part: "
+           "an early timestamp makes every request a full prefill.")
+
+st.subheader("Query-aware eviction vs reuse")
+if len(pieces) < 2 or not specs:
+    st.info("Add a second question and at least one eviction method to compare what eviction keeps for each.")
+else:
+    st.caption("The preamble is compressed for question A and for question B. Query-aware: the method sees the "
+               "question (SnapKV votes with the question in its observation window). Query-agnostic: the preamble "
+               "is compressed alone and the question fed afterwards (kvpress's query-agnostic setting). A prefix "
+               "cache can share the compressed preamble only if both questions keep the same tokens.")
+    sharing = queued(lambda user, progress: cached_sharing(loaded.name, tuple(preamble_ids), tuple(pieces[0][1]),
+                                                           tuple(pieces[1][1]), tuple(specs), int(max_new),
+                                                           loaded, user, progress),
+                     "Compressing the preamble for two questions…")
+    st.plotly_chart(plots.jaccard_figure([(f"{r.method} ({r.mode.replace('_', '-')})", r.jaccard_per_layer)
+                                          for r in sharing.rows]), width="stretch")
+    table = pd.DataFrame(sharing.to_rows()).rename(columns={
+        "jaccard_mean": "Jaccard (mean)", "kept_per_head": "kept per head", "agreement_own": "agreement, own cache",
+        "mean_kl_own": "KL, own cache", "agreement_shared": "agreement, A's cache", "mean_kl_shared": "KL, A's cache"})
+    st.dataframe(table, hide_index=True, width="stretch", key="prefix_sharing_table")
+    st.caption(f"Quality: question B answered ({int(max_new)} tokens, teacher-forced on the full cache's answer) "
+               "from the preamble compressed for B itself and from the one compressed for A; agreement is the share "
+               "of steps whose top token matches full's, KL is KL(full ‖ method) per step in nats.")
+
+st.subheader("Context length as a cost")
+if lengths:
+    costs = queued(lambda user, progress: cached_cost(loaded.name, tuple(prompts[0]), tuple(sorted(lengths)), loaded,
+                                                      user, progress), "Prefilling each length…")
+    st.plotly_chart(plots.context_cost_figure([c.tokens for c in costs], [c.prefill_seconds for c in costs],
+                                              [c.kv_bytes for c in costs]), width="stretch")
+    st.caption(f"Measured on {loaded.name} ({loaded.device}): each prompt is the preamble and first question, "
+               "repeated or cut to the length. Cache bytes grow linearly with the context, prefill time at least "
+               "linearly: every token a reused prefix saves is saved here.")
