@@ -260,6 +260,7 @@ class EvictionMethod(Method):
     uses_prefill_attention: ClassVar[bool] = False
     prefill_windows: ClassVar[tuple[int, ...]] = ()
     prefill_layer_inputs: ClassVar[bool] = False  # the method reads each attention layer's prefill input (kvpress)
+    own_prefill: ClassVar[bool] = False  # the method runs the prompt itself (``run_prefill(session)``: kvpress native)
 
     @property
     def rerotate(self) -> bool:
