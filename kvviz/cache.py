@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kvviz.capture import block_keys
 from kvviz.ledger import EvictionLedger
 from kvviz.methods.base import EvictionMethod, LayerView, MethodStack
 from kvviz.storage import DenseStorage, KeptRanges, KVStorage, StorageBytes, take_ranges
@@ -44,6 +45,7 @@ class KVLayer(CacheLayerMixin):
         self.state = eviction.new_state(layer_idx) if eviction is not None else None
         self.positions: torch.Tensor | None = None  # [B, H_kv, T] absolute positions
         self.rotary: torch.Tensor | None = None  # [B, H_kv, T] positions the keys are rotated to
+        self.blocked: torch.Tensor | None = None  # [B, H_kv, T] entries held but never attended (see block)
 
     # -- transformers' layer protocol -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -62,6 +64,9 @@ class KVLayer(CacheLayerMixin):
         if self.owner.decoding and self.eviction is not None and not self.eviction.scores_attention:
             # the new tokens' queries already carry rotary positions; re-rotated keys must end where they stand
             self.apply_keep(self.eviction.select(self.view()), rotary_end=self.owner.step_rotary_end)
+        if self.blocked is not None:
+            self.blocked = torch.cat([self.blocked, self.blocked.new_zeros(batch, heads, new)], -1)
+        block_keys(self.layer_idx, self.blocked)
         return self.storage.materialize()
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
@@ -110,8 +115,20 @@ class KVLayer(CacheLayerMixin):
             self.storage.keep(kept)
             self.positions = self.positions.gather(-1, kept)
             self.rotary = self.rotary.gather(-1, kept)
+        if self.blocked is not None:
+            self.blocked = (take_ranges(self.blocked, kept.spans, -1) if isinstance(kept, KeptRanges)
+                            else self.blocked.gather(-1, kept))
         if self.eviction is not None and self.eviction.rerotate:
             self._rerotate(self.rotary.shape[-1] if rotary_end is None else rotary_end)
+
+    def block(self, blocked: torch.Tensor | None) -> None:
+        """Hold entries ``blocked`` [B, H_kv, T] without attending to them (recorded as evicted): heads of a layer
+        must hold the same count, so a head that keeps fewer tokens than another pads with blocked ones."""
+        if blocked is None:
+            return
+        self.blocked = blocked.to(self.positions.device)
+        if self.owner.ledger is not None:
+            self.owner.ledger.record_where(self.layer_idx, self.owner.step, self.positions[0], self.blocked[0])
 
     def _rerotate(self, end: int) -> None:
         """Give cached keys consecutive rotary positions ending at ``end - 1`` (StreamingLLM's position shift).
@@ -233,6 +250,7 @@ class KVCache(Cache):
             layer.positions, layer.rotary = source.positions.clone(), source.rotary.clone()
             if layer.eviction is not None:
                 layer.apply_keep(layer.eviction.prefill_select(layer.view(), stats))
+                layer.block(layer.eviction.prefill_blocked(layer.layer_idx))
         cache.decoding = True
         return cache
 

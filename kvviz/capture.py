@@ -63,6 +63,29 @@ def listening(*listeners: AttentionListener):
         _listeners.reset(token)
 
 
+_blocked_keys: contextvars.ContextVar[tuple[int, torch.Tensor] | None] = contextvars.ContextVar(
+    "kvviz_blocked_keys", default=None
+)
+
+
+def block_keys(layer_idx: int, blocked: torch.Tensor | None) -> None:
+    """Entries ``blocked`` [B, H_kv, T] (True) get no attention in this layer's next call: a cache holding rows it
+    keeps only to give every KV head the same length (head-wise presses keep different counts per head)."""
+    _blocked_keys.set(None if blocked is None else (layer_idx, blocked))
+
+
+def _mask_blocked(attention_mask: torch.Tensor | None, blocked: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+    """``attention_mask`` (or the causal one it stands for) with blocked keys masked per query head: [B, H_q, q, T]."""
+    heads = blocked.repeat_interleave(query.shape[1] // blocked.shape[1], dim=1)[:, :, None, :]
+    if attention_mask is None:
+        q_len, k_len = query.shape[2], blocked.shape[-1]
+        attention_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=query.device).tril(k_len - q_len)
+        attention_mask = attention_mask[None, None]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~heads
+    return attention_mask.masked_fill(heads, float("-inf"))
+
+
 def _block_rows(row_bytes: int, q_len: int, device: torch.device) -> int:
     """Query rows per block: a few MB on CPU (fresh 100 MB blocks cost more in page faults than in arithmetic)."""
     budget = BLOCK_BYTES_CPU if device.type == "cpu" else BLOCK_BYTES
@@ -104,7 +127,8 @@ def _explicit_attention(
         scores = torch.bmm(block_query, keys_t[:, :, :width]).float()
         grid = scores.view(batch, kv_heads, group, rows, width)
         if attention_mask is not None:
-            mask = attention_mask[:, :, start:stop, :width].unsqueeze(1)
+            mask = attention_mask[:, :, start:stop, :width]
+            mask = mask.view(batch, kv_heads, group, rows, width) if mask.shape[1] > 1 else mask.unsqueeze(1)
             if mask.dtype == torch.bool:
                 grid.masked_fill_(~mask, float("-inf"))
             else:
@@ -159,6 +183,9 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     ``dropout`` comes sixth: importing kvpress wraps every registered attention function and passes it positionally.
     """
     layer_idx = getattr(module, "layer_idx", 0)
+    blocked = _blocked_keys.get()
+    if blocked is not None and blocked[0] == layer_idx and blocked[1].shape[-1] == key.shape[2]:
+        attention_mask = _mask_blocked(attention_mask, blocked[1].to(query.device), query)
     listeners = [listener for listener in _listeners.get() if listener.wants(layer_idx)]
     if not listeners:
         return _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)

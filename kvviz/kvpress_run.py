@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from kvviz.cache import KeyRotator, KVCache
 from kvviz.methods.kvpress_native import MAX_KEY_DISTANCE, NativePrefill, NativeReport, NotMappable
 from kvviz.models import LoadedModel
-from kvviz.rowmatch import match_rows
+from kvviz.rowmatch import match_rows, match_rows_in_order
 
 _KVPRESS_ATTRIBUTES = ("rotary_emb", "masked_key_indices")
 
@@ -87,17 +87,19 @@ def run_press_prefill(loaded: LoadedModel, prompt_ids: list[int], press, label: 
                     module.__dict__.pop(attribute, None)
     press_seconds = time.perf_counter() - started
     report = NativeReport(label, len(prompt_ids), press_seconds, rerotated=_rerotates(press))
-    prefill, kept = _map_cache(cache, full, masked, len(prompt_ids), report, rotator)
-    return NativePrefill(prefill, kept, output.logits[0, -1].float(), report, time.perf_counter() - started)
+    prefill, kept, blocked = _map_cache(cache, full, masked, len(prompt_ids), report, rotator)
+    return NativePrefill(prefill, kept, blocked, output.logits[0, -1].float(), report,
+                         time.perf_counter() - started)
 
 
 def _map_cache(cache: DynamicCache, full: dict, masked: list, length: int, report: NativeReport,
-               rotator: KeyRotator | None) -> tuple[KVCache, list[torch.Tensor | None]]:
+               rotator: KeyRotator | None) -> tuple[KVCache, list, list]:
     """Per layer: match the press's rows to the full rows; build kvviz's prefill cache and the kept indices."""
     num_layers = len(cache.layers)
     prefill = KVCache(num_layers)
     prefill.prompt_length = length
     kept_per_layer: list[torch.Tensor | None] = []
+    blocked_per_layer: list[torch.Tensor | None] = []
     channels: list[list[int]] = []
     for layer_idx, layer in enumerate(cache.layers):
         keys, values = layer.keys, layer.values
@@ -114,8 +116,11 @@ def _map_cache(cache: DynamicCache, full: dict, masked: list, length: int, repor
                 raise NotMappable(f"kvpress {report.press} re-rotates keys; this model has no RoPE to undo")
             match_full = _derotate(rotator, match_full, torch.arange(length))
             match_compressed = _derotate(rotator, match_compressed, torch.arange(keys.shape[2]))
-        found = match_rows(match_full, match_compressed)
-        tolerance = MAX_KEY_DISTANCE if not report.rerotated else 1e-2
+        tolerance = MAX_KEY_DISTANCE
+        if report.rerotated:  # undone rotations leave rounding; repeated tokens' position-free keys can coincide
+            found = match_rows_in_order(match_full, match_compressed, tolerance)
+        else:
+            found = match_rows(match_full, match_compressed)
         if float(found.distance.max()) > tolerance:
             raise NotMappable(f"kvpress {report.press} changed keys in layer {layer_idx}: the nearest full row is "
                               f"{float(found.distance.max()):.1%} away, so its entries are not the prompt's tokens")
@@ -124,9 +129,10 @@ def _map_cache(cache: DynamicCache, full: dict, masked: list, length: int, repor
         report.exact_rows += int(found.exact.sum())
         report.nearest_rows += int((~found.exact).sum())
         report.max_distance = max(report.max_distance, float(found.distance.max()))
-        rows = _unmasked_rows(masked[layer_idx], keys.shape, report)
-        positions = found.positions if rows is None else found.positions.gather(-1, rows)
-        kept = positions.sort(dim=-1).values
+        held = _unmasked_rows(masked[layer_idx], keys.shape, report)
+        positions = found.positions if held is None else found.positions.gather(-1, held[0])
+        kept, order = positions.sort(dim=-1)
+        blocked_per_layer.append(None if held is None else held[1].gather(-1, order.cpu()))
         # kvviz's cache holds the press's own rows where they came from: re-rotated, pruned or merged as it left them
         stored_keys, stored_values = full_keys.clone(), full_values.clone()
         index = found.positions.unsqueeze(-1).expand_as(keys)
@@ -141,10 +147,10 @@ def _map_cache(cache: DynamicCache, full: dict, masked: list, length: int, repor
         batch, heads = keys.shape[:2]
         target.positions = torch.arange(length).view(1, 1, length).expand(batch, heads, length).clone()
         target.rotary = target.positions.clone()
-        kept_per_layer.append(None if kept.shape[-1] == length else kept)
+        kept_per_layer.append(None if kept.shape[-1] == length and held is None else kept)
     if any(c != keys.shape[-1] for layer in channels for c in layer):
         report.channels_kept = channels
-    return prefill, kept_per_layer
+    return prefill, kept_per_layer, blocked_per_layer
 
 
 def _derotate(rotator: KeyRotator, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -153,8 +159,10 @@ def _derotate(rotator: KeyRotator, keys: torch.Tensor, positions: torch.Tensor) 
     return rotator.apply(keys.float(), cos.to(keys.device), sin.to(keys.device))
 
 
-def _unmasked_rows(masked, shape: torch.Size, report: NativeReport) -> torch.Tensor | None:
-    """Rows [B, H, n] a head-wise press left unmasked (kvpress masks in place), or None when nothing is masked."""
+def _unmasked_rows(masked, shape: torch.Size, report: NativeReport) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For a head-wise press (kvpress masks entries in place): rows [B, H, n] of the compressed cache to hold and
+    which of them are blocked [B, H, n]. Heads keeping fewer tokens than the most-keeping head hold some of their
+    masked rows blocked, so every head has the same length. None when nothing is masked."""
     if masked is None or len(masked[0]) == 0:
         return None
     report.masked = True
@@ -162,12 +170,15 @@ def _unmasked_rows(masked, shape: torch.Size, report: NativeReport) -> torch.Ten
     keep = torch.ones(batch, heads, length, dtype=torch.bool)
     keep[masked[0].cpu(), masked[1].cpu(), masked[2].cpu()] = False
     counts = keep.sum(-1)
-    if bool((counts != counts.flatten()[0]).any()):
-        raise NotMappable(f"kvpress {report.press} keeps a different number of tokens in each KV head "
-                          f"({int(counts.min())}-{int(counts.max())}); kvviz's cache holds the same count per head")
+    held = int(counts.max())
     order = torch.arange(length).expand(batch, heads, length)
-    return torch.where(keep, order, order + length).sort(-1).values[..., : int(counts.flatten()[0])].to(
-        masked[2].device)
+    rows = torch.where(keep, order, order + length).sort(-1).values[..., :held] % length  # kept rows, then masked
+    blocked = torch.arange(held).expand(batch, heads, held) >= counts.unsqueeze(-1)
+    padding = int(blocked.sum())
+    if padding:
+        report.notes.append(f"{padding} masked entries held blocked so every KV head stores {held} per layer at most "
+                            "(kvpress holds every row and masks in place)")
+    return rows.to(masked[2].device), blocked
 
 
 def _merge_targets(full_keys: torch.Tensor, positions: torch.Tensor, changed: torch.Tensor,

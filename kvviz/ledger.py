@@ -46,6 +46,11 @@ class EvictionLedger:
         if removed_positions.numel():
             self.evicted_at[layer_idx].scatter_(1, removed_positions.cpu(), step)
 
+    def record_where(self, layer_idx: int, step: int, positions: torch.Tensor, evicted: torch.Tensor) -> None:
+        """Per KV head counts may differ: ``positions`` [H_kv, T] of the layer's entries, ``evicted`` [H_kv, T]."""
+        heads, slots = evicted.nonzero(as_tuple=True)
+        self.evicted_at[layer_idx, heads.cpu(), positions[heads, slots].cpu()] = step
+
     def trimmed(self, total_length: int) -> EvictionLedger:
         """A copy covering exactly ``total_length`` tokens (drops unused growth room)."""
         self.ensure(total_length)

@@ -68,3 +68,28 @@ def match_rows(full: torch.Tensor, compressed: torch.Tensor) -> RowMatch:
             positions[batch, head, missing] = where
             distance[batch, head, missing] = nearest / rows.norm(dim=-1).clamp(min=1e-12)
     return RowMatch(positions, exact, distance)
+
+
+def match_rows_in_order(full: torch.Tensor, compressed: torch.Tensor, tolerance: float) -> RowMatch:
+    """Match rows that may be ambiguous (equal content at several positions, as position-free keys of a repeated
+    token are) knowing the compressed rows keep the full rows' order: each row takes the first full row within
+    ``tolerance`` (relative distance) after the previous row's match; the nearest row where none is."""
+    batch, heads, count = compressed.shape[:3]
+    positions = torch.zeros(batch, heads, count, dtype=torch.long, device=full.device)
+    distance = torch.zeros(batch, heads, count, dtype=torch.float32, device=full.device)
+    for b in range(batch):
+        for h in range(heads):
+            rows = compressed[b, h].float()
+            gaps = torch.cdist(rows, full[b, h].float()) / rows.norm(dim=-1, keepdim=True).clamp(min=1e-12)
+            nearest, where = gaps.min(-1)
+            positions[b, h], distance[b, h] = where, nearest
+            if bool((where[1:] > where[:-1]).all()):
+                continue  # the nearest rows are already in order: no ambiguity to resolve
+            close = (gaps <= tolerance).cpu()
+            previous = -1
+            for row in range(count):
+                after = close[row, previous + 1:].nonzero()
+                if after.numel():
+                    previous = previous + 1 + int(after[0])
+                    positions[b, h, row], distance[b, h, row] = previous, gaps[row, previous]
+    return RowMatch(positions, torch.zeros_like(positions, dtype=torch.bool), distance)

@@ -276,6 +276,11 @@ class EvictionMethod(Method):
         """
         return self.select(view)
 
+    def prefill_blocked(self, layer_idx: int) -> torch.Tensor | None:
+        """After :meth:`prefill_select`: entries [B, H_kv, T] (True) the layer holds but never attends, so heads that
+        keep different counts share one length (kvpress's head-wise presses); None for none."""
+        return None
+
     def select(self, view: LayerView) -> torch.Tensor | KeptRanges | None:
         """During decoding: indices [B, H_kv, n] (ascending) of entries to keep, or :class:`KeptRanges` when every
         head keeps the same ranges (cheaper to apply), or None to keep all."""

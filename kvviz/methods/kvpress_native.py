@@ -247,6 +247,7 @@ class NativePrefill:
 
     cache: Any
     kept: list[torch.Tensor | None]
+    blocked: list[torch.Tensor | None]
     last_logits: torch.Tensor
     report: NativeReport
     seconds: float
@@ -343,6 +344,9 @@ class KVPressNative(EvictionMethod):
             raise SpecError("kvpress_native runs its own prefill; fork it through PromptSession")
         kept = self._prefill[1].kept[view.layer_idx]
         return None if kept is None else kept.to(view.positions.device)
+
+    def prefill_blocked(self, layer_idx: int) -> torch.Tensor | None:
+        return None if self._prefill is None else self._prefill[1].blocked[layer_idx]
 
 
 def _ratio_defaults(cls: type) -> dict[str, Any]:
