@@ -174,10 +174,7 @@ def _unmasked_rows(masked, shape: torch.Size, report: NativeReport) -> tuple[tor
     order = torch.arange(length).expand(batch, heads, length)
     rows = torch.where(keep, order, order + length).sort(-1).values[..., :held] % length  # kept rows, then masked
     blocked = torch.arange(held).expand(batch, heads, held) >= counts.unsqueeze(-1)
-    padding = int(blocked.sum())
-    if padding:
-        report.notes.append(f"{padding} masked entries held blocked so every KV head stores {held} per layer at most "
-                            "(kvpress holds every row and masks in place)")
+    report.blocked_entries += int(blocked.sum())
     return rows.to(masked[2].device), blocked
 
 

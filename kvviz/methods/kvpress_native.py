@@ -174,8 +174,10 @@ def press_fields(cls: type) -> list[FieldKind]:
             if isinstance(hint, type) and issubclass(hint, kvpress.DecodingPress):
                 continue
             inner = "snapkv" if default in (None, dataclasses.MISSING) else press_name(type(default))
+            options = typing.get_args(hint) or (hint,)
+            fitting = tuple(sorted(n for n, c in press_catalog().items() if issubclass(c, options)))
             kinds.append(FieldKind(name, "press", Param("inner", str, inner,
-                                                        f"inner press by name ({_type_label(hint)})")))
+                                                        f"inner press by name ({_type_label(hint)})", choices=fitting)))
         elif origin is list and typing.get_args(hint) and _is_press_type(typing.get_args(hint)[0]):
             kinds.append(FieldKind(name, "presses", Param(
                 name, str, "knorm/streamingllm", "inner presses by name, '/'-separated, applied in order")))
@@ -212,7 +214,8 @@ class NativeReport:
     max_distance: the largest relative key distance of a nearest match; rerotated: keys matched after undoing RoPE;
     channels_kept [layers, kv_heads]: key channels a channel-pruning press left non-zero (None when none pruned);
     merged_into: per layer, [kv_heads, N] the position each evicted token was folded into (-1: not merged), for
-    presses that changed kept values; masked: the press masked entries in place (kvpress's head-wise trick).
+    presses that changed kept values; masked: the press masked entries in place (kvpress's head-wise trick);
+    blocked_entries: masked entries kvviz holds, unattended, so a layer's heads share one length.
     """
 
     press: str
@@ -225,7 +228,7 @@ class NativeReport:
     channels_kept: list[list[int]] | None = None
     merged_into: dict[int, torch.Tensor] = field(default_factory=dict)
     masked: bool = False
-    notes: list[str] = field(default_factory=list)
+    blocked_entries: int = 0
 
     def summary(self) -> str:
         parts = [f"{self.press}: {self.exact_rows} rows exact, {self.nearest_rows} nearest"]
@@ -234,10 +237,13 @@ class NativeReport:
         if self.channels_kept is not None:
             flat = [c for layer in self.channels_kept for c in layer]
             parts.append(f"key channels kept per head {min(flat)}-{max(flat)}")
+        if self.masked:
+            parts.append(f"head-wise: {self.blocked_entries} masked entries held blocked so each layer's KV heads "
+                         "share one length (kvpress holds every row and masks in place)")
         if self.merged_into:
             merged = sum(int((m >= 0).sum()) for m in self.merged_into.values())
             parts.append(f"{merged} evicted entries merged into survivors")
-        return "; ".join(parts + self.notes)
+        return "; ".join(parts)
 
 
 @dataclass
@@ -296,6 +302,9 @@ class KVPressNative(EvictionMethod):
         super().__init__(**values)
 
     def validate(self) -> None:
+        if getattr(self, "threshold", 0) is None:  # DMSPress: no default; it evicts tokens scoring below it
+            raise SpecError(f"kvpress {press_name(self.press_class)} needs threshold=... (tokens scoring below it "
+                            "are evicted; the scale depends on the inner press)")
         self.build_press(num_layers=1)  # the press's own __post_init__ checks (asserts) run now, as one line
 
     def build_press(self, num_layers: int):
@@ -365,6 +374,9 @@ def not_mappable_reason(cls: type) -> str | None:
     """Why a press's result cannot be shown on kvviz's cache, or None when it can."""
     import kvpress
 
+    if issubclass(cls, kvpress.FinchPress):
+        return ("it needs the prompt split by a delimiter token (context, then question) that kvpress's pipeline "
+                "inserts; kvviz's prompts carry none")
     if issubclass(cls, kvpress.DecodingPress):
         return ("it compresses while decoding, and kvviz decodes on its own cache (kvpress's hooks are not active "
                 "then); PrefillDecodingPress runs its prefill part, kvviz's h2o/tova evict while decoding")
