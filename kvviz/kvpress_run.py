@@ -20,7 +20,7 @@ from kvviz.rowmatch import match_rows, match_rows_in_order
 _KVPRESS_ATTRIBUTES = ("rotary_emb", "masked_key_indices")
 
 
-def _attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner = model.model.language_model if hasattr(model.model, "language_model") else model.model
     return [layer.self_attn for layer in inner.layers]
 
@@ -49,7 +49,7 @@ def run_press_prefill(loaded: LoadedModel, prompt_ids: list[int], press, label: 
                       rotator: KeyRotator | None) -> NativePrefill:
     """Prefill ``prompt_ids`` with ``press`` active; return kvviz's view of what it kept."""
     model = loaded.model
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     full: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def snapshot(module, args, kwargs, output):  # runs before the press's hook: it was registered first
