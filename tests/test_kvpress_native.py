@@ -31,7 +31,7 @@ def tiny_ids() -> list[int]:
 
 @pytest.fixture(scope="module")
 def real_ids(real_model) -> list[int]:
-    X
+    """About 320 tokens of generated filler sentences (kvviz's needle haystack)."""
     from kvviz.needle import build_needle_prompt
 
     return build_needle_prompt(real_model.tokenizer, 320, 0.5, chat=False).ids

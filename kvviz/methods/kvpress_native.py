@@ -270,21 +270,35 @@ class KVPressNative(EvictionMethod):
     own_prefill = True  # the press's hooks must run during the prompt's forward: kvviz's shared prefill cannot serve
 
     def __init__(self, **values: Any):
+        self.press_class, self.fields, self.inner_fields, self.params = self.declare(values)
+        self._prefill: tuple[tuple[int, ...], NativePrefill] | None = None
+        self.report: NativeReport | None = None
+        super().__init__(**values)
+
+    @classmethod
+    def params_for(cls, values: dict[str, Any]) -> tuple[Param, ...]:
+        """The parameters a SPEC with these ``press`` (and ``inner``) values takes: what the app draws widgets for,
+        one at a time, since the press chosen decides the rest."""
+        return cls.declare(values)[3]
+
+    @staticmethod
+    def declare(values: dict[str, Any]) -> tuple[type, list[FieldKind], list[FieldKind], tuple[Param, ...]]:
+        """(press class, its fields, the inner press's scalar fields, every Param) for the press named in values."""
         catalog = press_catalog()
         name = str(values.get("press", "snapkv"))
         if name not in catalog:
             raise SpecError(f"unknown kvpress press '{name}'; valid: {', '.join(sorted(catalog))}")
-        self.press_class = catalog[name]
-        if self.press_class.__name__ in NEEDS_DOWNLOAD:
-            raise SpecError(f"kvpress {name} {NEEDS_DOWNLOAD[self.press_class.__name__]}: not available offline")
-        reason = not_mappable_reason(self.press_class)
+        press_class = catalog[name]
+        if press_class.__name__ in NEEDS_DOWNLOAD:
+            raise SpecError(f"kvpress {name} {NEEDS_DOWNLOAD[press_class.__name__]}: not available offline")
+        reason = not_mappable_reason(press_class)
         if reason:
             raise NotMappable(f"kvpress {name} cannot be shown: {reason}")
-        self.fields = press_fields(self.press_class)
+        fields = press_fields(press_class)
         own = [Param("press", str, "snapkv", "kvpress press by name", choices=tuple(sorted(catalog)))]
-        own += [f.param for f in self.fields]
-        self.inner_fields: list[FieldKind] = []
-        single = [f for f in self.fields if f.kind == "press"]
+        own += [f.param for f in fields]
+        inner_fields: list[FieldKind] = []
+        single = [f for f in fields if f.kind == "press"]
         if single:
             inner_name = str(values.get("inner", single[0].param.default))
             if inner_name not in catalog:
@@ -293,13 +307,9 @@ class KVPressNative(EvictionMethod):
             for inner in press_fields(catalog[inner_name]):
                 if inner.kind == "scalar":
                     renamed = inner.param.name if inner.param.name not in taken else f"inner_{inner.param.name}"
-                    self.inner_fields.append(FieldKind(inner.name, "scalar",
-                                                       dataclasses.replace(inner.param, name=renamed)))
-            own += [f.param for f in self.inner_fields]
-        self.params = tuple(own)
-        self._prefill: tuple[tuple[int, ...], NativePrefill] | None = None
-        self.report: NativeReport | None = None
-        super().__init__(**values)
+                    inner_fields.append(FieldKind(inner.name, "scalar", dataclasses.replace(inner.param, name=renamed)))
+            own += [f.param for f in inner_fields]
+        return press_class, fields, inner_fields, tuple(own)
 
     def validate(self) -> None:
         if getattr(self, "threshold", 0) is None:  # DMSPress: no default; it evicts tokens scoring below it
