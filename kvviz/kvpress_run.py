@@ -87,7 +87,8 @@ def run_press_prefill(loaded: LoadedModel, prompt_ids: list[int], press, label: 
                     module.__dict__.pop(attribute, None)
     press_seconds = time.perf_counter() - started
     report = NativeReport(label, len(prompt_ids), press_seconds, rerotated=_rerotates(press))
-    prefill, kept, blocked = _map_cache(cache, full, masked, len(prompt_ids), report, rotator)
+    with torch.inference_mode():  # the snapshots are inference tensors, written in place
+        prefill, kept, blocked = _map_cache(cache, full, masked, len(prompt_ids), report, rotator)
     return NativePrefill(prefill, kept, blocked, output.logits[0, -1].float(), report,
                          time.perf_counter() - started)
 
@@ -133,14 +134,17 @@ def _map_cache(cache: DynamicCache, full: dict, masked: list, length: int, repor
         positions = found.positions if held is None else found.positions.gather(-1, held[0])
         kept, order = positions.sort(dim=-1)
         blocked_per_layer.append(None if held is None else held[1].gather(-1, order.cpu()))
-        # kvviz's cache holds the press's own rows where they came from: re-rotated, pruned or merged as it left them
-        stored_keys, stored_values = full_keys.clone(), full_values.clone()
         index = found.positions.unsqueeze(-1).expand_as(keys)
-        stored_keys.scatter_(2, index, keys)
-        stored_values.scatter_(2, index, values)
         changed = (values != full_values.gather(2, index)).any(-1)  # [B, H, n] survivors whose values moved
         if bool(changed.any()):
             report.merged_into[layer_idx] = _merge_targets(full_keys, found.positions, changed, length)
+        # kvviz's cache holds the press's own rows where they came from: re-rotated, pruned or merged as it left them
+        # (written into the snapshot, which is this function's own copy)
+        stored_keys, stored_values = (full_keys, full_values) if layer_idx in full else (keys.clone(), values.clone())
+        if not found.all_exact or bool(pruned.any()):
+            stored_keys.scatter_(2, index, keys)
+        if bool(changed.any()):
+            stored_values.scatter_(2, index, values)
         target = prefill.layers[layer_idx]
         target.lazy_initialization(stored_keys, stored_values)
         target.storage.append(stored_keys, stored_values)
@@ -189,11 +193,11 @@ def _merge_targets(full_keys: torch.Tensor, positions: torch.Tensor, changed: to
     target = torch.full((heads, length), -1, dtype=torch.long)
     for head in range(heads):
         survivors = positions[0, head][changed[0, head]]
-        evicted = torch.ones(length, dtype=torch.bool)
+        evicted = torch.ones(length, dtype=torch.bool, device=full_keys.device)
         evicted[positions[0, head]] = False
         if survivors.numel() == 0 or not bool(evicted.any()):
             continue
         unit = torch.nn.functional.normalize(full_keys[0, head].float(), dim=-1)
         similarity = unit[evicted] @ unit[survivors].T
-        target[head, evicted] = survivors[similarity.argmax(-1)].cpu()
+        target[head, evicted.cpu()] = survivors[similarity.argmax(-1)].cpu()
     return target
