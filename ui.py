@@ -401,6 +401,15 @@ def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> s
         values = {p.name: _param_widget(p, f"{prefix}{index}_{name}_{p.name}",
                                         initial.get(f"{name}.{p.name}", p.default))
                   for p in REGISTRY[name].params}
+        params_for = getattr(REGISTRY[name], "params_for", None)  # parameters that depend on earlier choices
+        try:
+            while params_for is not None and (later := [p for p in params_for(values) if p.name not in values]):
+                param = later[0]
+                values[param.name] = _param_widget(param, f"{prefix}{index}_{name}_{param.name}",
+                                                   initial.get(f"{name}.{param.name}", param.default))
+        except SpecError as error:
+            st.error(str(error))
+            return None
         try:
             chosen.append(REGISTRY[name](**values).spec())
         except SpecError as error:

@@ -99,7 +99,7 @@ SIZES: dict[str, Sizes] = {
 
 # Cheapest first, so a run cut short still has the core figures (its JSON is rewritten after every section).
 SECTIONS = ("shared_prefill", "batched_compare", "kv_bytes", "replay_vs_generate", "bookkeeping", "decode_large_cache",
-            "kivi", "peer_kvpress", "capture", "perplexity", "needle", "prefix", "app")
+            "kivi", "peer_kvpress", "kvpress_native", "capture", "perplexity", "needle", "prefix", "app")
 
 
 @dataclass
@@ -696,6 +696,48 @@ def section_peer_kvpress(loaded: LoadedModel, sizes: Sizes, log: Log, state: dic
     return section
 
 
+def section_kvpress_native(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> Section:
+    """kvpress_native (the press in its own hooks, rows matched back, kvviz's cache and ledger built) vs a plain
+    prefill with the same press into a DynamicCache: what the mapping costs on top of the press."""
+    section = Section("kvpress_native", "kvpress presses run natively vs the same press alone")
+    if importlib.util.find_spec("kvpress") is None or "kvpress_native" not in REGISTRY:
+        section.skipped = "needs kvpress and the kvpress_native method"
+        return section
+    from transformers import DynamicCache
+
+    from kvviz.kvpress_run import attention_modules
+
+    n = _fit(loaded, sizes.peer_prompt)
+    ids = prompt_tokens(loaded, n)
+    section.add("prompt_tokens", n)
+    for press in ("snapkv", "knorm", "adakv"):
+        spec = f"kvpress_native:press={press}"
+
+        def native(spec=spec) -> int:
+            cache = PromptSession(loaded, ids).fork(parse_spec(spec))
+            return int(cache.ledger.kept_mask(0)[..., :n].sum())
+
+        def plain(spec=spec) -> int:
+            cache = DynamicCache(config=loaded.model.config)
+            with torch.inference_mode(), parse_spec(spec).eviction.build_press(1)(loaded.model):
+                loaded.model(input_ids=torch.tensor([ids], device=loaded.device), past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            return cache.get_seq_length()
+
+        times: dict[str, list[float]] = {"native": [], "plain": []}
+        for _ in range(sizes.repeats):
+            for who, work in (("plain", plain), ("native", native)):
+                times[who].append(_timed(loaded.device, work)[0])
+        ratio = min(times["native"]) / min(times["plain"])
+        section.add(f"{press}_native_vs_press", ratio, "x", "<= 1.2",
+                    note=f"{min(times['native']):.2f}s vs {min(times['plain']):.2f}s; native = press prefill + "
+                         "row matching + kvviz cache and ledger")
+    for module in attention_modules(loaded.model):  # kvpress's own context leaves these on the model
+        module._modules.pop("rotary_emb", None)
+        module.__dict__.pop("masked_key_indices", None)
+    return section
+
+
 def section_kivi(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> Section:
     """Issue 4: KIVI 2-bit bytes vs full at a long prompt (measured vs theory) and its decode-step time."""
     section = Section("kivi", f"{KIVI} vs full")
@@ -823,6 +865,7 @@ RUNNERS = {
     "decode_large_cache": section_decode_large_cache,
     "bookkeeping": section_bookkeeping,
     "peer_kvpress": section_peer_kvpress,
+    "kvpress_native": section_kvpress_native,
     "kivi": section_kivi,
     "perplexity": section_perplexity,
     "needle": section_needle,

@@ -47,6 +47,7 @@ class KVLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None  # [B, H_kv, T] absolute positions
         self.rotary: torch.Tensor | None = None  # [B, H_kv, T] positions the keys are rotated to
         self.padding: torch.Tensor | None = None  # [B, H_kv, T] True on padding slots once heads keep unequal counts
+        self.blocked: torch.Tensor | None = None  # [B, H_kv, T] entries held but never attended (see block)
 
     # -- transformers' layer protocol -------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -67,8 +68,12 @@ class KVLayer(CacheLayerMixin):
         if self.owner.decoding and self.eviction is not None and not self.eviction.scores_attention:
             # the new tokens' queries already carry rotary positions; re-rotated keys must end where they stand
             self.apply_keep(self.eviction.select(self.view()), rotary_end=self.owner.step_rotary_end)
-        if self.padding is not None:
-            mask_padded_keys(self.layer_idx, self.padding)  # this forward's attention skips the padding slots
+        if self.blocked is not None:
+            self.blocked = torch.cat([self.blocked, self.blocked.new_zeros(batch, heads, new)], -1)
+        hidden = self.padding if self.blocked is None else (
+            self.blocked if self.padding is None else self.padding | self.blocked)
+        if hidden is not None:
+            mask_padded_keys(self.layer_idx, hidden)  # this forward's attention skips padding and blocked slots
         return self.storage.materialize()
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
@@ -125,6 +130,7 @@ class KVLayer(CacheLayerMixin):
             self.positions = take_ranges(self.positions, kept.spans, -1)
             self.rotary = take_ranges(self.rotary, kept.spans, -1)
             self.padding = None if self.padding is None else take_ranges(self.padding, kept.spans, -1)
+            self.blocked = None if self.blocked is None else take_ranges(self.blocked, kept.spans, -1)
         else:
             if self.owner.ledger is not None:
                 dropped = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept[0], False)
@@ -134,6 +140,7 @@ class KVLayer(CacheLayerMixin):
             self.positions = self.positions.gather(-1, kept)
             self.rotary = self.rotary.gather(-1, kept)
             self.padding = None if self.padding is None else self.padding.gather(-1, kept)
+            self.blocked = None if self.blocked is None else self.blocked.gather(-1, kept)
         if self.eviction is not None and self.eviction.rerotate:
             self._rerotate(self.rotary.shape[-1] if rotary_end is None else rotary_end)
 
@@ -146,8 +153,17 @@ class KVLayer(CacheLayerMixin):
         self.storage.keep(kept.index)
         self.positions = self.positions.gather(-1, kept.index)
         self.rotary = self.rotary.gather(-1, kept.index)
+        self.blocked = None if self.blocked is None else self.blocked.gather(-1, kept.index)
         self.padding = padding if bool(padding.any()) else None
 
+    def block(self, blocked: torch.Tensor | None) -> None:
+        """Hold entries ``blocked`` [B, H_kv, T] without attending to them (recorded as evicted): heads of a layer
+        must hold the same count, so a head that keeps fewer tokens than another pads with blocked ones."""
+        if blocked is None:
+            return
+        self.blocked = blocked.to(self.positions.device)
+        if self.owner.ledger is not None:
+            self.owner.ledger.record_per_head(self.layer_idx, self.owner.step, self.positions[0], self.blocked[0])
     def _rerotate(self, end: int) -> None:
         """Give cached keys consecutive rotary positions ending at ``end - 1`` (StreamingLLM's position shift).
 
@@ -298,6 +314,7 @@ class KVCache(Cache):
             layer.positions, layer.rotary = source.positions[:, :heads].clone(), source.rotary[:, :heads].clone()
             if layer.eviction is not None:
                 layer.apply_keep(layer.eviction.prefill_select(layer.view(), stats))
+                layer.block(layer.eviction.prefill_blocked(layer.layer_idx))
         cache.decoding = True
         return cache
 

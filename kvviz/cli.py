@@ -101,6 +101,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def cmd_methods(args: argparse.Namespace) -> int:
     """List every registered method with its declared parameters (the docs are generated from the same data)."""
+    if args.kvpress:
+        from kvviz.kvpress_coverage import coverage, markdown_table
+
+        print(markdown_table(coverage()))
+        return 0
+    if args.press:
+        from kvviz.methods.kvpress_native import KVPressNative
+
+        for param in KVPressNative(press=args.press).params:
+            print(f"    {param.name}={param.default}  [{param.describe_range()}]  {param.help}")
+        return 0
     for name in sorted(REGISTRY):
         method = REGISTRY[name]
         print(f"{name} ({method.kind}): {method.summary}")
@@ -427,6 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     info.set_defaults(handler=cmd_info)
 
     methods = commands.add_parser("methods", help="list methods and their parameters")
+    methods.add_argument("--kvpress", action="store_true",
+                         help="every press kvpress exports and how kvviz runs it (kvpress_native)")
+    methods.add_argument("--press", metavar="NAME",
+                         help="the parameters of kvpress_native:press=NAME (read from the press's dataclass fields)")
     methods.set_defaults(handler=cmd_methods)
 
     comp = commands.add_parser("compare", help="replay a prompt under several methods")

@@ -8,6 +8,8 @@
 | KVVIZ_MAX_NEW_TOKENS     | 256                       | cap on generated tokens per method                          |
 | KVVIZ_DEVICE             | auto                      | auto, cpu, cuda, cuda:N or mps                              |
 | KVVIZ_MAX_UPLOAD_MB      | 2                         | largest prompt file accepted by the app                     |
+| KVVIZ_PRESSES            | (empty)                   | comma-separated dotted paths of your own kvpress presses    |
+| KVVIZ_ALLOW_PRESSES      | 0                         | 1: KVVIZ_PRESSES are offered in class mode too              |
 """
 
 from __future__ import annotations
@@ -44,6 +46,13 @@ class Settings:
     max_new_tokens: int = 256
     device: str = "auto"
     max_upload_mb: int = 2
+    presses: tuple[str, ...] = ()  # dotted paths of the server's own kvpress presses (kvpress_native)
+    allow_presses_in_class_mode: bool = False
+
+    @property
+    def custom_presses_allowed(self) -> bool:
+        """Own presses are imported code: in class mode only when the operator says so (KVVIZ_ALLOW_PRESSES=1)."""
+        return not self.class_mode or self.allow_presses_in_class_mode
 
     @property
     def class_mode(self) -> bool:
@@ -73,4 +82,6 @@ class Settings:
             max_new_tokens=_positive_int(environ, "KVVIZ_MAX_NEW_TOKENS", cls.max_new_tokens),
             device=environ.get("KVVIZ_DEVICE", "").strip() or "auto",
             max_upload_mb=_positive_int(environ, "KVVIZ_MAX_UPLOAD_MB", cls.max_upload_mb),
+            presses=tuple(p.strip() for p in environ.get("KVVIZ_PRESSES", "").split(",") if p.strip()),
+            allow_presses_in_class_mode=environ.get("KVVIZ_ALLOW_PRESSES", "").strip().lower() in ("1", "true", "yes"),
         )

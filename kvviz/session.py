@@ -125,12 +125,20 @@ class PromptSession:
         if stack.architecture is not None:
             stack.architecture.check_model(self.card.kv_heads, self.card.head_dim)
             heads = stack.architecture.cache_heads(heads)
-        prefill = self.prefill(self._with_capture(capture_for([stack])))
+        prefill = self.prefill_for(stack)
         book = None
         if ledger and stack.eviction is not None:
             book = EvictionLedger.empty(self.num_layers, heads, len(self.prompt_ids), len(self.prompt_ids) + 64)
         protected = protected_positions(protect) if protect else None
         return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys, protected)
+
+    def prefill_for(self, stack: MethodStack) -> Prefill:
+        """The prefill ``stack`` forks from: the shared one, or its own for a method that must run the prompt itself
+        (kvpress's hooks compress during the forward: ``EvictionMethod.own_prefill``)."""
+        if stack.eviction is not None and stack.eviction.own_prefill:
+            own = stack.eviction.run_prefill(self)
+            return Prefill(own.cache, own.last_logits, own, own.seconds)
+        return self.prefill(self._with_capture(capture_for([stack])))
 
     def _detokenize(self, token_ids: list[int]) -> str:
         """Generated text; random-weight benchmark models have no tokenizer and no text."""
@@ -161,7 +169,7 @@ class PromptSession:
         stack = parse_spec(spec) if isinstance(spec, str) else spec
         started = time.perf_counter()
         cache = self.fork(stack, protect=protect)
-        prefill = self.prefill(self._capture)
+        prefill = self.prefill_for(stack)
         trace = decode(self.loaded.model, cache, prefill.last_logits, max_new_tokens, self.loaded.device,
                        self.eos_ids, sampling, forced_tokens, keep_logprobs, progress, suffix_tokens)
         return self.result(stack, cache, trace, time.perf_counter() - started, len(suffix_tokens or [])), trace

@@ -287,6 +287,7 @@ class EvictionMethod(Method):
     uses_prefill_attention: ClassVar[bool] = False
     prefill_windows: ClassVar[tuple[int, ...]] = ()
     prefill_layer_inputs: ClassVar[bool] = False  # the method reads each attention layer's prefill input (kvpress)
+    own_prefill: ClassVar[bool] = False  # the method runs the prompt itself (``run_prefill(session)``: kvpress native)
 
     @property
     def rerotate(self) -> bool:
@@ -301,6 +302,11 @@ class EvictionMethod(Method):
         ``stats`` is the prefill's :class:`kvviz.capture.AttentionStats` (when the method asked for capture).
         """
         return self.select(view)
+
+    def prefill_blocked(self, layer_idx: int) -> torch.Tensor | None:
+        """After :meth:`prefill_select`: entries [B, H_kv, T] (True) the layer holds but never attends, so heads that
+        keep different counts share one length (kvpress's head-wise presses); None for none."""
+        return None
 
     def select(self, view: LayerView) -> torch.Tensor | KeptRanges | None:
         """During decoding: indices [B, H_kv, n] (ascending) of entries to keep, or :class:`KeptRanges` when every
