@@ -422,6 +422,7 @@ def section_batched_compare(loaded: LoadedModel, sizes: Sizes, log: Log, state: 
             log(f"  {'batched' if batched else 'sequential'} comparison of {len(specs)} configurations")
             runs[batched].append(_timed(loaded.device, lambda batched=batched: compare(
                 loaded, ids, specs, sizes.batched_tokens, batched=batched)))
+            log(f"    {runs[batched][-1][0]:.1f} s")
     (sequential_seconds, sequential), (batched_seconds, batched) = (min(runs[b], key=lambda r: r[0])
                                                                   for b in (False, True))
     pairs = list(zip(batched.results, sequential.results, strict=True))
