@@ -260,7 +260,7 @@ def test_planner_at_128k_and_the_llama_13b_numbers(server):
             settle(page)
             no_exception(page)
             assert "42.95 GB" in page.inner_text("body"), "a 128K context pins tens of GB per sequence"
-            ticks = page.locator(".js-plotly-plot .ytick text").all_inner_texts()
+            ticks = page.locator(".js-plotly-plot .ytick text").all_text_contents()
             assert ticks and not any("e+" in t or len(t) > 8 for t in ticks), ticks
             shoot(page, "planner-128k")
             page.goto(f"{server}/Memory_planner?model_config=LLaMA-13B&context=2048&batch=1", timeout=120_000)
