@@ -204,9 +204,10 @@ def test_compare_defaults_evict_quantize_and_depart_from_full(server):
         browser = _browser(playwright)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{server}/Compare", timeout=120_000)
+            page.goto(f"{server}/Compare?n=8", timeout=120_000)  # the default configurations, fewer tokens
             page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
             settle(page)
+            assert page.get_by_role("textbox", name="Prompt").input_value().startswith("Mara keeps bees")
             page.get_by_role("button", name="Run comparison").click()
             page.get_by_text("configurations on").wait_for(timeout=600_000)
             settle(page)
