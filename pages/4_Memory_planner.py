@@ -85,7 +85,8 @@ result = make_plan(card, catalog.models[name]["parameters"], plan)
 with right:
     st.subheader(f"{name}: {card.attention}, {card.layers} layers, {card.kv_heads} KV heads × {card.head_dim}"
                  if card.attention != "MLA" else f"{name}: MLA, {card.layers} layers, latent {card.mla_latent_dim}")
-    token_col, a, b, c, d = st.columns(5)
+    token_col, a, b = st.columns(3)
+    c, d, _ = st.columns(3)
     token_col.metric("KV per token (16-bit)", f"{card.kv_bytes_per_token / 1e6:,.2f} MB",
                      help=f"{card.kv_bytes_per_token:,} bytes: 2 (K and V) × layers × KV heads × head_dim × 2 bytes"
                      if card.attention != "MLA" else f"{card.kv_bytes_per_token:,} bytes: layers × latent × 2 bytes")

@@ -231,9 +231,10 @@ def test_compare_defaults_evict_quantize_and_depart_from_full(server):
         browser = _browser(playwright)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{server}/Compare", timeout=120_000)
+            page.goto(f"{server}/Compare?n=8", timeout=120_000)  # the default configurations, fewer tokens
             page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
             settle(page)
+            assert page.get_by_role("textbox", name="Prompt").input_value().startswith("Mara keeps bees")
             page.get_by_role("button", name="Run comparison").click()
             page.get_by_text("configurations on").wait_for(timeout=600_000)
             settle(page)
@@ -287,7 +288,7 @@ def test_planner_at_128k_and_the_llama_13b_numbers(server):
             settle(page)
             no_exception(page)
             assert "42.95 GB" in page.inner_text("body"), "a 128K context pins tens of GB per sequence"
-            ticks = page.locator(".js-plotly-plot .ytick text").all_inner_texts()
+            ticks = page.locator(".js-plotly-plot .ytick text").all_text_contents()
             assert ticks and not any("e+" in t or len(t) > 8 for t in ticks), ticks
             shoot(page, "planner-128k")
             page.goto(f"{server}/Memory_planner?model_config=LLaMA-13B&context=2048&batch=1", timeout=120_000)

@@ -29,15 +29,18 @@ def _run(app: AppTest, prompt: str) -> AppTest:
 
 
 def test_too_long_prompt_offers_truncation_then_runs(monkeypatch):
-    monkeypatch.setenv("KVVIZ_MAX_PROMPT_TOKENS", "24")
+    monkeypatch.setenv("KVVIZ_MAX_PROMPT_TOKENS", "80")
     app = _compare(m=["full"], n="2")
-    app.text_area(key="compare_text").set_value("word " * 200).run()
-    assert "this server allows 24" in _errors(app)
-    truncate = next(t for t in app.toggle if t.label.startswith("Truncate to the first 24"))
+    app.text_area(key="compare_text").set_value("word " * 200 + "How many words?").run()
+    assert "this server allows 80" in _errors(app)
+    truncate = next(t for t in app.toggle if t.label.startswith("Cut the middle to fit 80"))
     truncate.set_value(True).run()
+    assert not app.error, "no error stays once the user accepted the cut"
+    assert any("from the middle of the document" in i.value for i in app.info)
     app.button[0].click().run()
     assert not app.exception
-    assert any(s.value.startswith("1 configurations on 24 prompt tokens") for s in app.success)
+    tokens = [int(s.value.split(" on ")[1].split()[0]) for s in app.success if s.value.startswith("1 configurations")]
+    assert tokens and tokens[0] <= 80
 
 
 def test_disallowed_model_in_class_mode_is_refused_and_the_page_still_works(monkeypatch):
