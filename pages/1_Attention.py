@@ -4,8 +4,8 @@ import streamlit as st
 
 from kvviz import plots
 from kvviz.memory import model_card
+from kvviz.runs import MATRIX_SIZE
 from ui import (
-    MATRIX_SIZE,
     attention_stats,
     encode,
     page_header,

@@ -38,13 +38,13 @@ page_header("Compare", "Compare cache configurations",
 loaded = require_model()
 
 
-DEFAULT_SPECS = ("full", "streaming_llm:window=0.25", "snapkv:budget=0.25", "kivi:residual=0")
+DEFAULT_SPECS = ("full", "streaming_llm:window=0.25", "snapkv:budget=0.25,window=8", "kivi:residual=0")
 
 
 def default_specs() -> list[str]:
     """full plus budgets relative to the prompt, so a first run on any prompt evicts and quantizes something:
-    StreamingLLM and SnapKV keep a quarter of the prompt, KIVI stores every token in 2 bits (no fp16 residual).
-    Methods this server does not register are left out."""
+    StreamingLLM and SnapKV keep a quarter of the prompt (SnapKV's 8-query window fits prompts from 36 tokens), KIVI
+    stores every token in 2 bits (no fp16 residual). Methods this server does not register are left out."""
     specs = []
     for spec in DEFAULT_SPECS:
         try:

@@ -239,6 +239,7 @@ def test_compare_defaults_evict_quantize_and_depart_from_full(server):
             page.get_by_text("configurations on").wait_for(timeout=600_000)
             settle(page)
             no_exception(page)
+            assert page.locator('[data-testid="stAlertContentError"]').count() == 0, "every default method ran"
             body = page.inner_text("body")
             assert "Nothing was evicted" not in body and "of prompt tokens cached" in body
             divergences = body.count("first divergence none")

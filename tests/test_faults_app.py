@@ -87,7 +87,7 @@ def test_out_of_memory_names_the_setting_and_the_next_run_works(monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr("ui.compare", once_out_of_memory)
+    monkeypatch.setattr("kvviz.runs.compare", once_out_of_memory)
     app = _run(_compare(m=["full"], n="2"), "Count to three, slowly.")
     assert "ran out of memory" in _errors(app) and "max new tokens" in _errors(app)
     assert not app.exception

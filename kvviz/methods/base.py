@@ -286,6 +286,8 @@ class EvictionMethod(Method):
     scores_attention: ClassVar[bool] = False
     uses_prefill_attention: ClassVar[bool] = False
     prefill_windows: ClassVar[tuple[int, ...]] = ()
+    stacks_with_architecture: ClassVar[bool] = True  # False: refused next to merge_heads / lowrank, with the reason
+    why_not_with_architecture: ClassVar[str] = ""
     prefill_layer_inputs: ClassVar[bool] = False  # the method reads each attention layer's prefill input (kvpress)
     own_prefill: ClassVar[bool] = False  # the method runs the prompt itself (``run_prefill(session)``: kvpress native)
 
@@ -376,6 +378,12 @@ class ArchitectureMethod(Method):
     """
 
     kind = "architecture"
+
+    def check_stack(self, stack: MethodStack) -> None:
+        eviction = stack.eviction
+        if eviction is not None and not eviction.stacks_with_architecture:
+            raise SpecError(f"{eviction.name} does not stack with an architecture method ({self.name}): "
+                            f"{eviction.name} {eviction.why_not_with_architecture}")
 
     def check_model(self, kv_heads: int, head_dim: int) -> None:
         """Raise SpecError when the parameters do not fit a model with this many KV heads of this size."""

@@ -268,6 +268,8 @@ class KVPressNative(EvictionMethod):
         Param("press", str, "snapkv", "kvpress press by name (python -m kvviz methods --kvpress lists them)"),
     )
     own_prefill = True  # the press's hooks must run during the prompt's forward: kvviz's shared prefill cannot serve
+    stacks_with_architecture = False
+    why_not_with_architecture = "compresses the model's own cache inside kvpress's hooks, before any head merging"
 
     def __init__(self, **values: Any):
         self.press_class, self.fields, self.inner_fields, self.params = self.declare(values)

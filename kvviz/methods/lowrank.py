@@ -126,6 +126,7 @@ class LowRank(ArchitectureMethod):
                                 f"choose 1..{largest}")
 
     def check_stack(self, stack: MethodStack) -> None:
+        super().check_stack(stack)
         if stack.eviction is not None and stack.eviction.rerotate:
             raise SpecError(f"'{stack.eviction.spec()}' re-rotates cached keys; lowrank stores them before RoPE, "
                             "use rerotate=0")

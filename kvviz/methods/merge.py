@@ -45,6 +45,8 @@ def merge_into_nearest(keys: torch.Tensor, values: torch.Tensor, kept: torch.Ten
 @register
 class Merge(SnapKV):
     name = "merge"
+    stacks_with_architecture = False
+    why_not_with_architecture = "rebuilds merged K/V per model head, which an architecture's stored form cannot take"
     summary = ("SnapKV's selection, then each evicted token's K and V merged into the most similar kept key of its "
                "head, weighted by the window's attention: the same bytes as snapkv, nothing simply dropped.")
 
