@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from kvviz import plots
+from kvviz.lessons import STORY_QUESTION
 from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 from ui import (
@@ -24,12 +25,7 @@ from ui import (
 )
 
 MAX_CONFIGS = 6
-DEFAULT_PROMPT = (
-    "Mara keeps bees on the roof of the old library. Her notebook says the blue hive swarmed on the third of May, "
-    "the white hive produced nine kilos of honey, and the smallest hive, painted green, lost its queen in August "
-    "but raised a new one within three weeks. She sells the honey at the Saturday market and gives the beeswax to "
-    "a candle maker called Tomas.\n\nWhich hive lost its queen, and who receives the beeswax?"
-)
+DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py, tests/test_lessons.py)
 
 page_header("Compare", "Compare cache configurations",
             "The prompt runs through the model once; each configuration then generates from its own copy of the "

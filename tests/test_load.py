@@ -3,6 +3,7 @@
 Bounded and local: in-process AppTest sessions (one server's caches and queue), no network traffic.
 """
 
+import statistics
 import threading
 from pathlib import Path
 
@@ -100,6 +101,10 @@ def test_a_class_of_30_all_finish_fairly_with_single_user_results(real_model, on
     assert all(t.status == "done" for t in runs)
     # every comparison ran once; the five identical lesson runs ran once (the others waited for its result)
     assert len({t.user for t in runs}) == len(runs) == len(PROMPTS) + 1
+    waits = sorted(t.started_at - t.submitted_at for t in runs)
+    service = statistics.mean(t.finished_at - t.started_at for t in runs)
+    print(f"class of {STUDENTS}: {len(runs)} runs, wait p50 {waits[len(waits) // 2]:.1f} s, "
+          f"p95 {waits[int(0.95 * (len(waits) - 1))]:.1f} s, {service:.2f} s per run")  # shown with pytest -s
     for ticket in runs:  # round-robin: nobody waits behind more than one run of any other student
         ahead = [t.user for t in runs if ticket.submitted_at < t.started_at < ticket.started_at]
         assert max((ahead.count(u) for u in set(ahead)), default=0) <= 1
