@@ -1,14 +1,15 @@
-"""kvviz's entrypoint (`streamlit run app.py`): the navigation menu. Every page is a script under pages/."""
+"""kvviz's entrypoint (`streamlit run app.py`): the navigation menu. Every page is a script under views/ (not pages/:
+Streamlit would also list a pages/ folder on its own, showing a stray "app" entry on deep links)."""
 
 import streamlit as st
 
 st.navigation([
-    st.Page("pages/0_Home.py", title="Home", icon=":material/home:", default=True),
-    st.Page("pages/1_Attention.py", title="Attention", icon=":material/visibility:"),
-    st.Page("pages/2_Compare.py", title="Compare", icon=":material/compare_arrows:"),
-    st.Page("pages/3_Needle.py", title="Needle", icon=":material/search:"),
-    st.Page("pages/4_Memory_planner.py", title="Memory planner", icon=":material/memory:"),
-    st.Page("pages/5_Lessons.py", title="Lessons", icon=":material/school:"),
-    st.Page("pages/6_Tail_risk.py", title="Tail risk", icon=":material/warning:"),
-    st.Page("pages/7_Prefix_reuse.py", title="Prefix reuse", icon=":material/cached:"),
+    st.Page("views/0_Home.py", title="Home", icon=":material/home:", default=True),
+    st.Page("views/1_Attention.py", title="Attention", icon=":material/visibility:"),
+    st.Page("views/2_Compare.py", title="Compare", icon=":material/compare_arrows:"),
+    st.Page("views/3_Needle.py", title="Needle", icon=":material/search:"),
+    st.Page("views/4_Memory_planner.py", title="Memory planner", icon=":material/memory:"),
+    st.Page("views/5_Lessons.py", title="Lessons", icon=":material/school:"),
+    st.Page("views/6_Tail_risk.py", title="Tail risk", icon=":material/warning:"),
+    st.Page("views/7_Prefix_reuse.py", title="Prefix reuse", icon=":material/cached:"),
 ]).run()

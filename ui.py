@@ -1,4 +1,4 @@
-"""Shared Streamlit helpers for the pages (pages/): cached model loading, the model picker, device status.
+"""Shared Streamlit helpers for the pages (views/): cached model loading, the model picker, device status.
 
 Streamlit lives here and in the pages only; the engine (kvviz/) never imports it.
 """

@@ -20,7 +20,7 @@ from streamlit.logger import set_log_level
 from streamlit.testing.v1 import AppTest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ROOT / "pages"
+PAGES = ROOT / "views"
 STEP_RADIO = "step"  # a page with a radio under this key (Lessons) is warmed step by step
 
 
@@ -36,7 +36,7 @@ class WarmRun:
 
 
 def page_name(script: Path) -> str:
-    """``pages/2_Compare.py`` -> ``Compare`` (the name the navigation shows)."""
+    """``views/2_Compare.py`` -> ``Compare`` (the name the navigation shows)."""
     return script.stem.split("_", 1)[-1].replace("_", " ")
 
 

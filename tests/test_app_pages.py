@@ -14,7 +14,7 @@ TIMEOUT = 300
 
 
 def page(name: str, **params) -> AppTest:
-    app = AppTest.from_file(str(ROOT / "pages" / name), default_timeout=TIMEOUT)
+    app = AppTest.from_file(str(ROOT / "views" / name), default_timeout=TIMEOUT)
     for key, value in params.items():
         app.query_params[key] = value
     return app.run()

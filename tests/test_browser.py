@@ -104,7 +104,7 @@ def inotify_watches(pid: int) -> int:
     return watches
 
 
-def test_served_app_watches_no_files(server):
+def test_served_app_watches_no_files_and_deep_links_show_only_the_pages(server):
     """Serving (``make run``, the container) reads .streamlit/config.toml: no file watcher, even once a browser
     session is open (Streamlit starts watching per session; watching .venv cost about one core)."""
     from playwright.sync_api import sync_playwright
@@ -116,6 +116,8 @@ def test_served_app_watches_no_files(server):
         page.goto(f"{server}/Memory_planner")
         settle(page)
         assert inotify_watches(SERVED["pid"]) == 0
+        entries = page.locator('[data-testid="stSidebarNavLink"]').all_inner_texts()
+        assert entries and "Home" in entries[0] and not any(e.strip() == "app" for e in entries), entries
         browser.close()
 
 

@@ -12,7 +12,7 @@ SHORT = "Name one planet."
 
 
 def _compare(**params) -> AppTest:
-    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=300)
+    app = AppTest.from_file(str(ROOT / "views" / "2_Compare.py"), default_timeout=300)
     for key, value in params.items():
         app.query_params[key] = value
     return app.run()
@@ -97,7 +97,7 @@ def test_out_of_memory_names_the_setting_and_the_next_run_works(monkeypatch):
 
 def test_unreachable_hub_is_a_message_and_the_default_still_works(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what a classroom without internet looks like to the hub client
-    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=300)
+    app = AppTest.from_file(str(ROOT / "views" / "2_Compare.py"), default_timeout=300)
     app.query_params["model"] = "nobody-here/not-cached-model"
     app.run()
     assert not app.exception

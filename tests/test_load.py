@@ -24,7 +24,7 @@ PROMPTS = [f"Name {n} {topic}." for n in ("two", "three", "four") for topic in T
 
 def _compare_page(prompt: str) -> AppTest:
     """A student's Compare page with the prompt typed in, ready to press Run."""
-    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=900)
+    app = AppTest.from_file(str(ROOT / "views" / "2_Compare.py"), default_timeout=900)
     for key, value in {"m": SPECS, "n": "3"}.items():
         app.query_params[key] = value
     app.run()
@@ -33,7 +33,7 @@ def _compare_page(prompt: str) -> AppTest:
 
 
 def _lesson_page() -> AppTest:
-    app = AppTest.from_file(str(ROOT / "pages" / "5_Lessons.py"), default_timeout=900)
+    app = AppTest.from_file(str(ROOT / "views" / "5_Lessons.py"), default_timeout=900)
     app.query_params["step"] = "1"
     return app.run()
 

@@ -184,7 +184,7 @@ def test_prefix_page_figures_equal_the_engines(monkeypatch, tmp_path, real_model
     preamble_file.write_text(SHORT_PREAMBLE, encoding="utf-8")
     monkeypatch.setattr("kvviz.prefix.PREAMBLE_FILE", preamble_file)
     spec = "streaming_llm:sinks=4,window=24,rerotate=0"
-    app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "pages" / "7_Prefix_reuse.py"),
+    app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "views" / "7_Prefix_reuse.py"),
                             default_timeout=900)
     app.query_params["len"] = ["128"]
     app.query_params["m"] = [spec]

@@ -84,7 +84,7 @@ def test_page_opened_after_warm_up_does_not_run_the_model(real_model, monkeypatc
         raise AssertionError("the page ran the model although the warm-up stored its run")
 
     monkeypatch.setattr(CompareRequest, "compute", no_model)
-    app = AppTest.from_file(str(ROOT / "pages" / "2_Compare.py"), default_timeout=120).run()
+    app = AppTest.from_file(str(ROOT / "views" / "2_Compare.py"), default_timeout=120).run()
     next(b for b in app.button if b.proto.type == "primary").click().run()
     assert not app.exception and not app.error, [e.value for e in app.error]
     assert app.dataframe, "the stored comparison is shown"

@@ -56,7 +56,7 @@ def test_compare_offers_the_architecture_axis_and_lessons_has_the_three_axes_ste
 
     from streamlit.testing.v1 import AppTest
 
-    pages = Path(__file__).resolve().parents[1] / "pages"
+    pages = Path(__file__).resolve().parents[1] / "views"
     app = AppTest.from_file(str(pages / "2_Compare.py"), default_timeout=300)
     app.query_params["m"] = ["full", "merge_heads:kv_heads=1+window:window=64", "lowrank:rank=64+kivi:bits=4"]
     app.run()

@@ -57,14 +57,17 @@ figure.add_hline(y=card.weight_bytes / 2**20, line_dash="dot", annotation_text="
 st.plotly_chart(figure, width="stretch")
 
 st.subheader("Explore")
-links = st.columns(5)
-for column, (page, label, text) in zip(links, [
-    ("pages/1_Attention.py", "Attention", "Sinks, heavy hitters and per-head patterns on your prompt."),
-    ("pages/2_Compare.py", "Compare", "Up to six eviction × quantization setups against the full cache."),
-    ("pages/3_Needle.py", "Needle", "Which methods still find a pass key, and where they lost it."),
-    ("pages/4_Memory_planner.py", "Memory planner", "KV gigabytes and sequences per GPU for well-known models."),
-    ("pages/5_Lessons.py", "Lessons", "A five-step walkthrough for a class, run live."),
-], strict=True):
-    with column.container(border=True):
+PAGES = [
+    ("views/1_Attention.py", "Attention", "Sinks, heavy hitters and per-head patterns on your prompt."),
+    ("views/2_Compare.py", "Compare", "Up to six eviction × quantization setups against the full cache."),
+    ("views/3_Needle.py", "Needle", "Which methods still find a pass key, and where they lost it."),
+    ("views/4_Memory_planner.py", "Memory planner", "KV gigabytes and sequences per GPU for well-known models."),
+    ("views/5_Lessons.py", "Lessons", "A step-by-step walkthrough for a class, run live."),
+    ("views/6_Tail_risk.py", "Tail risk", "Multi-key, multi-hop and instruction tasks: what compression loses."),
+    ("views/7_Prefix_reuse.py", "Prefix reuse", "A shared preamble reused block by block, and what breaks it."),
+]
+columns = st.columns(4)
+for index, (page, label, text) in enumerate(PAGES):
+    with columns[index % 4].container(border=True):
         st.page_link(page, label=label, icon="➡️")
         st.caption(text)
