@@ -20,6 +20,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvviz.models import LoadedModel
@@ -44,10 +45,18 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@dataclass
+class ServedApp:
+    """A running ``streamlit run app.py``: where to reach it and its process id (for checks on the process)."""
+
+    url: str
+    pid: int
+
+
 @contextlib.contextmanager
-def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[str]:
+def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[ServedApp]:
     """``streamlit run app.py`` as ``make run`` serves it (the baked .streamlit/config.toml), on a free loopback
-    port, until the block ends; yields its URL."""
+    port, until the block ends (the browser tests and the bench's app section both use it)."""
     port = _free_port()
     with log_path.open("w") as log:
         process = subprocess.Popen(
@@ -67,7 +76,7 @@ def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float
                     if process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"streamlit did not start; see {log_path}") from None
                     time.sleep(0.5)
-            yield url
+            yield ServedApp(url, process.pid)
         finally:
             process.terminate()
             try:
@@ -174,7 +183,8 @@ def section_app(loaded: LoadedModel, sizes, log, state: dict):
         env = {"KVVIZ_RESULTS": str(work / "results"), "KVVIZ_MODEL": loaded.name, "KVVIZ_DEVICE": loaded.device}
         log(f"  engine: {len(specs)} configurations, {len(ids)} prompt tokens, {sizes.app_tokens} new tokens")
         engine_run()
-        with served_app(work / "server.log", env) as base, sync_playwright() as playwright:
+        with served_app(work / "server.log", env) as served, sync_playwright() as playwright:
+            base = served.url
             browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
             try:
                 log("  app: the same comparison through the Compare page")

@@ -105,7 +105,7 @@ def test_rows_of_different_lengths_decode_together_in_one_forward_per_step(tiny_
 
     monkeypatch.setattr(batch, "forward_rows", counting_forward)
     monkeypatch.setattr(batch.BatchLayer, "update", recording_update)
-    batched = compare(tiny_model, ids, specs, 8)
+    batched = compare(tiny_model, ids, specs, 8, batched=True)
     monkeypatch.undo()
     sequential = compare(tiny_model, ids, specs, 8, batched=False)
     assert_same_rows(batched, sequential)
@@ -123,7 +123,7 @@ def test_attention_scoring_rows_get_their_own_unpadded_probabilities(tiny_model,
         return original(self, view)
 
     monkeypatch.setattr(H2O, "select", spying)
-    compare(tiny_model, story_ids[:48], ["h2o:heavy=4,recent=4", "window:window=30"], 4)
+    compare(tiny_model, story_ids[:48], ["h2o:heavy=4,recent=4", "window:window=30"], 4, batched=True)
     assert seen
     for width, length, sums in seen:
         assert width == length, "the padding in front of a shorter row is cut off"
@@ -148,7 +148,7 @@ def test_a_failing_method_leaves_the_batch_and_the_others_finish(tiny_model, sto
 
     monkeypatch.setattr(Window, "select", window_breaks_at_step_3)
     monkeypatch.setattr(H2O, "select", h2o_breaks_at_step_5)
-    batched = compare(tiny_model, ids, specs, 8)
+    batched = compare(tiny_model, ids, specs, 8, batched=True)
     assert batched.by_method("window:window=8").error == "RuntimeError: simulated kernel failure"
     assert batched.by_method("h2o:heavy=4,recent=4").error == "IndexError: simulated scoring failure"
     for method in ("full", "tova:budget=10", "snapkv:budget=16,window=4"):
@@ -158,7 +158,7 @@ def test_a_failing_method_leaves_the_batch_and_the_others_finish(tiny_model, sto
 
 
 def test_a_method_that_cannot_fork_is_reported_and_the_batch_runs(tiny_model, story_ids):
-    batched = compare(tiny_model, story_ids[:20], ["snapkv:budget=0.9", "window:window=8"], 4)
+    batched = compare(tiny_model, story_ids[:20], ["snapkv:budget=0.9", "window:window=8"], 4, batched=True)
     assert "not shorter than the prompt" in batched.by_method("snapkv:budget=0.9").error
     assert batched.by_method("window:window=8").error is None and len(batched.by_method("full").token_ids) == 4
 

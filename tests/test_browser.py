@@ -5,16 +5,13 @@ Screenshots of each page land in docs/screenshots/ (the README shows them).
 
 from __future__ import annotations
 
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from kvviz.bench_app import served_app
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "docs" / "screenshots"
@@ -25,46 +22,15 @@ pytestmark = pytest.mark.browser
 SERVED: dict[str, int] = {}  # the server's process id, for checks on the served process itself
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``streamlit run app.py`` on a free loopback port, until the module's tests finish."""
+    """``streamlit run app.py`` as ``make run`` serves it, on a free loopback port, until the module's tests finish."""
     if not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
     pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    port = free_port()
-    log = open(tmp_path_factory.mktemp("streamlit") / "server.log", "w")  # noqa: SIM115 - closed below
-    process = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
-         "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    SERVED["pid"] = process.pid
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                    break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"streamlit did not start; see {log.name}")
-                time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
+    with served_app(tmp_path_factory.mktemp("streamlit") / "server.log", startup=60) as served:
+        SERVED["pid"] = served.pid
+        yield served.url
 
 
 def settle(page, timeout: float = 240) -> None:
