@@ -99,8 +99,9 @@ def test_a_class_of_30_all_finish_fairly_with_single_user_results(real_model, on
 
     runs = list(queue.history)[already:]
     assert all(t.status == "done" for t in runs)
-    # every comparison ran once; the five identical lesson runs ran once (the others waited for its result)
-    assert len({t.user for t in runs}) == len(runs) == len(PROMPTS) + 1
+    # every comparison ran once; the five identical lesson runs ran at most once (the others waited for its result,
+    # and an earlier test may have stored it already)
+    assert len({t.user for t in runs}) == len(runs) and len(runs) - len(PROMPTS) in (0, 1)
     waits = sorted(t.started_at - t.submitted_at for t in runs)
     service = statistics.mean(t.finished_at - t.started_at for t in runs)
     print(f"class of {STUDENTS}: {len(runs)} runs, wait p50 {waits[len(waits) // 2]:.1f} s, "
