@@ -117,6 +117,20 @@ def needle_text(key: str) -> str:
     return f"The pass key is {key}. Remember it. {key} is the pass key."
 
 
+def filler_for(tokenizer, base: str, length: int, stream, what: str) -> list[str]:
+    """Sentences from ``stream`` estimated to bring the prompt ``base`` (rendered without filler) to ``length``
+    tokens; the caller trims them until the whole rendered prompt fits (the per-sentence count is an estimate)."""
+    budget = length - len(tokenizer(base, add_special_tokens=False)["input_ids"])
+    if budget < 0:
+        raise ValueError(f"length {length} is too short for the {what} prompt: it needs {length - budget} tokens")
+    filler: list[str] = []
+    while budget > 0:
+        sentence = next(stream)
+        budget -= len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
+        filler.append(sentence)
+    return filler
+
+
 def build_needle_prompt(tokenizer, length: int, depth: float, seed: int = 0, trial: int = 0,
                         chat: bool = True) -> NeedlePrompt:
     """A prompt of at most ``length`` tokens with the key after ``depth`` (0..1) of the filler sentences."""
@@ -137,15 +151,7 @@ def build_needle_prompt(tokenizer, length: int, depth: float, seed: int = 0, tri
             return text, text.index(body) + len(body), text.index(body)
         return body + QUESTION + PLAIN_ANSWER_PREFIX, len(body), 0
 
-    base, _, _ = render([])
-    budget = length - len(tokenizer(base, add_special_tokens=False)["input_ids"])
-    if budget < 0:
-        raise ValueError(f"length {length} is too short for the needle prompt: it needs {length - budget} tokens")
-    filler: list[str] = []
-    while budget > 0:
-        sentence = next(stream)
-        budget -= len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
-        filler.append(sentence)
+    filler = filler_for(tokenizer, render([])[0], length, stream, "needle")
     while True:  # the per-sentence count is an estimate; trim until the whole prompt fits
         text, question_char, context_char = render(filler)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

@@ -32,6 +32,7 @@ from kvviz.models import LoadedModel
 from kvviz.needle import (
     MODES,
     build_needle_prompt,
+    filler_for,
     filler_sentences,
     first_token_at,
     needle_eviction,
@@ -267,15 +268,7 @@ def build_item(tokenizer, task: str, length: int, depth: float, seed: int = 0, t
             placed += [(plant, system_start + system_text.index(plant.text)) for plant in system]
         return text, placed, body_start, body_start + len(body)
 
-    base = render([])[0]
-    budget = length - len(tokenizer(base, add_special_tokens=False)["input_ids"])
-    if budget < 0:
-        raise ValueError(f"length {length} is too short for the {task} prompt: it needs {length - budget} tokens")
-    filler: list[str] = []
-    while budget > 0:
-        sentence = next(stream)
-        budget -= len(tokenizer(" " + sentence, add_special_tokens=False)["input_ids"])
-        filler.append(sentence)
+    filler = filler_for(tokenizer, render([])[0], length, stream, task)
     while True:  # the per-sentence count is an estimate; trim until the whole prompt fits
         text, placed, context_char, question_char = render(filler)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
