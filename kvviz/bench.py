@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 from kvviz.bench_app import section_app
-from kvviz.cache import KVCache
-from kvviz.capture import CaptureConfig
-from kvviz.memory import model_card
+from kvviz.core.cache import KVCache
+from kvviz.core.capture import CaptureConfig
+from kvviz.core.models import LoadedModel, resolve_device, resolve_dtype
+from kvviz.core.replay import decode
+from kvviz.core.session import PromptSession, capture_for, compare
 from kvviz.methods import REGISTRY, parse_spec
-from kvviz.models import LoadedModel, resolve_device, resolve_dtype
-from kvviz.replay import decode
-from kvviz.session import PromptSession, capture_for, compare
+from kvviz.planning.memory import model_card
 
 Log = Callable[[str], None]
 
@@ -244,7 +244,7 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None)
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvviz.capture import install_attention
+    from kvviz.core.capture import install_attention
 
     if spec in PRESETS:
         fields = dict(PRESETS[spec])
@@ -706,7 +706,7 @@ def section_kvpress_native(loaded: LoadedModel, sizes: Sizes, log: Log, state: d
         return section
     from transformers import DynamicCache
 
-    from kvviz.kvpress_run import attention_modules
+    from kvviz.presses.native import attention_modules
 
     n = _fit(loaded, sizes.peer_prompt)
     ids = prompt_tokens(loaded, n)
@@ -775,10 +775,10 @@ def section_kivi(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> Se
 def section_perplexity(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> Section:
     """Issue 5: time of a streaming perplexity run per method (the policy applied token by token)."""
     section = Section("perplexity", f"Perplexity over {sizes.ppl_tokens} tokens per method")
-    if importlib.util.find_spec("kvviz.perplexity") is None:
-        section.skipped = "kvviz.perplexity is not installed yet"
+    if importlib.util.find_spec("kvviz.quality.perplexity") is None:
+        section.skipped = "kvviz.quality.perplexity is not installed yet"
         return section
-    from kvviz.perplexity import streaming_perplexity
+    from kvviz.quality.perplexity import streaming_perplexity
 
     n = _fit(loaded, sizes.ppl_tokens, 1)
     ids = prompt_tokens(loaded, n)
@@ -797,13 +797,13 @@ def section_needle(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> 
     """Issue 5: time of a lengths x depths needle grid per method."""
     grid = f"{len(sizes.needle_lengths)}x{len(sizes.needle_depths)}"
     section = Section("needle", f"Needle grid {grid} per method")
-    if importlib.util.find_spec("kvviz.needle") is None:
-        section.skipped = "kvviz.needle is not installed yet"
+    if importlib.util.find_spec("kvviz.quality.needle") is None:
+        section.skipped = "kvviz.quality.needle is not installed yet"
         return section
     if loaded.tokenizer is None or not getattr(loaded.tokenizer, "chat_template", None):
         section.skipped = "needs a real tokenizer with a chat template (not a random model)"
         return section
-    from kvviz.needle import run_needle_grid
+    from kvviz.quality.needle import run_needle_grid
 
     lengths = [_fit(loaded, n) for n in sizes.needle_lengths]
     budget = max(8, min(lengths) // 4)
@@ -821,8 +821,8 @@ def section_needle(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> 
 def section_prefix(loaded: LoadedModel, sizes: Sizes, log: Log, state: dict) -> Section:
     """A preamble reused by a second question (time to first token, exactness) and the kept-set overlap of two
     questions under query-aware and query-agnostic eviction."""
-    from kvviz.prefix import run_turns
-    from kvviz.prefix_sharing import compare_sharing
+    from kvviz.core.prefix import run_turns
+    from kvviz.quality.prefix_sharing import compare_sharing
 
     section = Section("prefix", "Prefix reuse: a shared preamble and a new question")
     question = sizes.prefix_question

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvviz.models import LoadedModel
-from kvviz.session import compare, encode_prompt
+from kvviz.core.models import LoadedModel
+from kvviz.core.session import compare, encode_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-background-networking",

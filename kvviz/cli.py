@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
+from kvviz.core.models import DEFAULT_MODEL, WEIGHT_MODES, ModelError
 from kvviz.methods import REGISTRY, SpecError, parse_spec
-from kvviz.models import DEFAULT_MODEL, WEIGHT_MODES, ModelError
 
 USAGE_ERROR = 2
 
@@ -40,7 +40,7 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from kvviz.models import load_model
+    from kvviz.core.models import load_model
 
     return load_model(args.model, args.device, args.dtype, args.weights, args.trust_remote_code)
 
@@ -65,7 +65,7 @@ def _write_json(path: str | None, data: dict) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Convert the embedded default; optionally download hub models (the Docker build bakes them in)."""
-    from kvviz.models import download_hub_model, prepare_default_model
+    from kvviz.core.models import download_hub_model, prepare_default_model
 
     print(prepare_default_model())
     for model_id in filter(None, (m.strip() for m in args.hub_models.split(","))):
@@ -77,14 +77,14 @@ def cmd_config(args: argparse.Namespace) -> int:
     """Print the effective deployment settings; exit 2 naming the variable when one is invalid."""
     from dataclasses import asdict
 
-    from kvviz.config import Settings
+    from kvviz.core.config import Settings
 
     _write_json("-", asdict(Settings.from_env()))
     return 0
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from kvviz.memory import model_card
+    from kvviz.planning.memory import model_card
 
     loaded = _load(args)
     card = model_card(loaded)
@@ -102,7 +102,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_methods(args: argparse.Namespace) -> int:
     """List every registered method with its declared parameters (the docs are generated from the same data)."""
     if args.kvpress:
-        from kvviz.kvpress_coverage import coverage, markdown_table
+        from kvviz.presses.coverage import coverage, markdown_table
 
         print(markdown_table(coverage()))
         return 0
@@ -121,7 +121,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kvviz.session import compare, encode_prompt
+    from kvviz.core.session import compare, encode_prompt
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -192,7 +192,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     """Streaming perplexity of a text per method (each policy applied as tokens arrive)."""
     from dataclasses import asdict
 
-    from kvviz.perplexity import streaming_perplexity
+    from kvviz.quality.perplexity import streaming_perplexity
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -224,7 +224,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
 def cmd_needle(args: argparse.Namespace) -> int:
     """A pass-key retrieval grid (lengths x depths) per method, with the ledger's view of the needle's tokens."""
-    from kvviz.needle import run_needle_grid
+    from kvviz.quality.needle import run_needle_grid
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -257,8 +257,8 @@ def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
 
 def cmd_axes(args: argparse.Namespace) -> int:
     """Each axis alone at one budget, then stacked: quality vs bytes on a needle prompt, as a Markdown table."""
-    from kvviz.memory import model_card
-    from kvviz.three_axes import budget_specs, run_axes
+    from kvviz.planning.memory import model_card
+    from kvviz.quality.three_axes import budget_specs, run_axes
 
     for spec in args.method or []:
         parse_spec(spec)
@@ -292,7 +292,7 @@ def cmd_axes(args: argparse.Namespace) -> int:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     """The tail tasks per method: calibrated accuracy, and what the ledger says each failure lost."""
-    from kvviz.tail import TASKS, run_tail
+    from kvviz.quality.tail import TASKS, run_tail
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -374,8 +374,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
-    from kvviz.prefix import DEFAULT_QUESTIONS, default_preamble, run_turns, turn_ids
-    from kvviz.prefix_sharing import DEFAULT_METHODS, compare_sharing
+    from kvviz.core.prefix import DEFAULT_QUESTIONS, default_preamble, run_turns, turn_ids
+    from kvviz.quality.prefix_sharing import DEFAULT_METHODS, compare_sharing
 
     preamble = _read_text(args.preamble_file) if args.preamble_file else default_preamble()
     if not preamble.strip():

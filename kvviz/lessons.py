@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
-from kvviz.session import encode_prompt
+from kvviz.core.session import encode_prompt
 
 STORY = (
     "Every autumn the village of Hallow Creek holds a pumpkin contest. This year the judges were a baker, a "

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvviz.architecture import AxisFactors
-from kvviz.diagnostics import QuantizationReport
-from kvviz.ledger import EvictionLedger
-from kvviz.storage import StorageBytes
+from kvviz.core.architecture import AxisFactors
+from kvviz.core.ledger import EvictionLedger
+from kvviz.core.storage import StorageBytes
+from kvviz.quality.diagnostics import QuantizationReport
 
 
 @dataclass
@@ -23,13 +23,13 @@ class MethodResult:
     kv_bytes_per_step: list[int] = field(default_factory=list)
     kv_bytes_per_layer: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    agreement_with_full: float | None = None  # teacher-forced top-1 agreement (kvviz.metrics)
+    agreement_with_full: float | None = None  # teacher-forced top-1 agreement (kvviz.quality.metrics)
     first_divergence: int | None = None  # first step whose top-1 differs from full's, teacher-forced
     kl_per_step: list[float] = field(default_factory=list)  # KL(full || method) in nats, teacher-forced
     mean_kl: float | None = None
     ledger: EvictionLedger | None = None
     error: str | None = None
-    axis_factors: AxisFactors | None = None  # full bytes x architecture x eviction x quantization (kvviz.architecture)
+    axis_factors: AxisFactors | None = None  # full bytes x architecture x eviction x quantization (core.architecture)
     projection_bytes: int = 0  # an architecture method's fitted projections: weights, not cache
 
     @property

@@ -19,13 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvviz.capture import AttentionStats, CaptureConfig, listening
-from kvviz.memory import model_card
-from kvviz.models import LoadedModel, cache_dir
-from kvviz.needle import NeedleReport, run_needle_grid
+from kvviz.core.capture import AttentionStats, CaptureConfig, listening
+from kvviz.core.models import LoadedModel, cache_dir
+from kvviz.core.prefix import LengthCost, ReuseReport, context_cost, run_turns
+from kvviz.core.session import PromptSession, compare
+from kvviz.planning.memory import model_card
+from kvviz.quality.needle import NeedleReport, run_needle_grid
+from kvviz.quality.prefix_sharing import SharingReport, compare_sharing
+from kvviz.quality.tail import TailReport, run_tail
 from kvviz.results import Comparison
-from kvviz.session import PromptSession, compare
-from kvviz.tail import TailReport, run_tail
 
 Progress = Callable[[float, str], None]
 MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
@@ -138,6 +140,51 @@ class TailRequest(RunRequest):
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> TailReport:
         return run_tail(loaded, list(self.specs), list(self.tasks), list(self.lengths), list(self.depths),
                         list(self.hops), mode=self.mode, protect=list(self.protect), progress=progress)
+
+
+
+@dataclass(frozen=True)
+class PrefixTurnsRequest(RunRequest):
+    """Prefix reuse: each prompt prefilled fresh and through one prefix cache of ``block_tokens``-token blocks."""
+
+    kind: ClassVar[str] = "prefix_turns"
+    prompts: tuple[tuple[int, ...], ...]
+    labels: tuple[str, ...]
+    block_tokens: int
+
+    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> ReuseReport:
+        with loaded.lock:
+            return run_turns(loaded, [list(p) for p in self.prompts], list(self.labels), self.block_tokens,
+                             progress=progress)
+
+
+@dataclass(frozen=True)
+class PrefixSharingRequest(RunRequest):
+    """Prefix reuse: what each eviction method keeps of one preamble for question A and for question B."""
+
+    kind: ClassVar[str] = "prefix_sharing"
+    preamble: tuple[int, ...]
+    question_a: tuple[int, ...]
+    question_b: tuple[int, ...]
+    specs: tuple[str, ...]
+    max_new_tokens: int
+
+    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> SharingReport:
+        return compare_sharing(loaded, list(self.preamble), list(self.question_a), list(self.question_b),
+                               list(self.specs), self.max_new_tokens, progress)
+
+
+@dataclass(frozen=True)
+class ContextCostRequest(RunRequest):
+    """Prefix reuse: prefill time and KV bytes of the prompt's first ``length`` tokens, per length."""
+
+    kind: ClassVar[str] = "context_cost"
+    tokens: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> list[LengthCost]:
+        with loaded.lock:
+            return context_cost(loaded, list(self.tokens), list(self.lengths), progress)
 
 
 @dataclass

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvviz.architecture import axis_factors
+from kvviz.core.architecture import axis_factors
+from kvviz.core.session import PromptSession, compare
 from kvviz.methods import REGISTRY, Budget, SpecError, parse_spec
-from kvviz.session import PromptSession, compare
 
 EVICTIONS = sorted(name for name, cls in REGISTRY.items() if cls.kind == "eviction")
 QUANTIZATIONS = ["kivi:bits=2,group=8,residual=8", "per_token:bits=4,group=8,residual=8", "bnb:type=nf4",
@@ -164,8 +164,8 @@ def tiny_deepseek():
     """A 2-layer random DeepSeek-V2 (MLA: latent 16 + RoPE 8; transformers caches per-head K 24 and V 16)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from kvviz.capture import install_attention
-    from kvviz.models import LoadedModel
+    from kvviz.core.capture import install_attention
+    from kvviz.core.models import LoadedModel
 
     torch.manual_seed(0)
     config = DeepseekV2Config(
@@ -180,7 +180,7 @@ def tiny_deepseek():
 
 
 def test_deepseek_card_reports_the_latent_and_what_transformers_stores(tiny_deepseek):
-    from kvviz.memory import model_card
+    from kvviz.planning.memory import model_card
 
     card = model_card(tiny_deepseek)
     assert card.attention == "MLA" and card.mla_latent_dim == 16 + 8

@@ -5,12 +5,13 @@ method leaving the batch alone."""
 import pytest
 import torch
 
-from kvviz import batch, bench
+from kvviz import bench
+from kvviz.core import batch
+from kvviz.core.replay import Sampling
+from kvviz.core.session import compare
 from kvviz.methods import REGISTRY
 from kvviz.methods.h2o import H2O
 from kvviz.methods.window import Window
-from kvviz.replay import Sampling
-from kvviz.session import compare
 
 EVICTIONS = sorted(name for name, cls in REGISTRY.items() if cls.kind == "eviction")
 

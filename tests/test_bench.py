@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
-from kvviz import bench, capture
-from kvviz.capture import CaptureConfig, StatsRecorder, listening
+from kvviz import bench
 from kvviz.cli import main
+from kvviz.core import capture
+from kvviz.core.capture import CaptureConfig, StatsRecorder, listening
+from kvviz.core.session import PromptSession, capture_for
 from kvviz.methods import parse_spec
-from kvviz.session import PromptSession, capture_for
 
 
 def test_quick_bench_reports_every_section(real_model):

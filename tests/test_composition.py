@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from kvviz.core.session import PromptSession
 from kvviz.methods import REGISTRY, Budget, SpecError, parse_spec
-from kvviz.session import PromptSession
 
 EVICTIONS = sorted(name for name, cls in REGISTRY.items() if cls.kind == "eviction")
 QUANTIZATIONS = ["kivi:bits=2,group=8,residual=8", "per_token:bits=4,group=8,residual=8", "bnb:type=nf4"]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvviz.config import Settings, SettingsError
-from kvviz.faults import describe_error
+from kvviz.core.config import Settings, SettingsError
+from kvviz.core.faults import describe_error
 from kvviz.methods import SpecError
 
 

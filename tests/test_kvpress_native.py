@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvviz.kvpress_coverage import HUB, NOT_MAPPABLE, RUNS, coverage
+from kvviz.core.session import PromptSession, compare
 from kvviz.methods import SpecError, parse_spec
 from kvviz.methods.kvpress_native import KVPressNative, NotMappable, press_catalog
-from kvviz.rowmatch import match_rows
-from kvviz.session import PromptSession, compare
+from kvviz.presses.coverage import HUB, NOT_MAPPABLE, RUNS, coverage
+from kvviz.presses.rowmatch import match_rows
 
 logging.getLogger("kvpress").setLevel(logging.ERROR)
 
@@ -32,7 +32,7 @@ def tiny_ids() -> list[int]:
 @pytest.fixture(scope="module")
 def real_ids(real_model) -> list[int]:
     """About 320 tokens of generated filler sentences (kvviz's needle haystack)."""
-    from kvviz.needle import build_needle_prompt
+    from kvviz.quality.needle import build_needle_prompt
 
     return build_needle_prompt(real_model.tokenizer, 320, 0.5, chat=False).ids
 

@@ -3,8 +3,8 @@ and the settings produce the contrast the step teaches."""
 
 import pytest
 
+from kvviz.core.session import compare
 from kvviz.lessons import NEEDLE_CODE, RUNS, is_filler_token, span_of
-from kvviz.session import compare
 
 
 @pytest.mark.parametrize("name", [name for name, run in RUNS.items() if run.expected])

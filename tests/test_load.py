@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvviz.runqueue import RunQueue
-from kvviz.session import compare, encode_prompt
+from kvviz.core.session import compare, encode_prompt
+from kvviz_app.runqueue import RunQueue
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ["full", "window:window=12"]
@@ -62,14 +62,14 @@ def one_id_per_session(monkeypatch):
     """AppTest gives every session the id 'test session id'; a server gives each browser tab its own."""
     from streamlit.runtime.scriptrunner import get_script_run_ctx
 
-    import ui
+    from kvviz_app import queue as app_queue
 
-    monkeypatch.setattr(ui, "_session_id", lambda: f"session-{id(get_script_run_ctx().session_state)}")
+    monkeypatch.setattr(app_queue, "_session_id", lambda: f"session-{id(get_script_run_ctx().session_state)}")
 
 
 @pytest.mark.slow
 def test_a_class_of_30_all_finish_fairly_with_single_user_results(real_model, one_script_cache, one_id_per_session):
-    from ui import run_queue
+    from kvviz_app.queue import run_queue
 
     queue = run_queue()
     already = len(queue.history)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
+from kvviz.core.session import PromptSession, compare
 from kvviz.methods import REGISTRY
-from kvviz.metrics import forced_comparison, kl_per_step
-from kvviz.session import PromptSession, compare
+from kvviz.quality.metrics import forced_comparison, kl_per_step
 
 
 def _logprobs(rows):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvviz.planner import GB, Plan, attention_variants, cached_tokens, effective_bits, load_catalog, make_plan
+from kvviz.planning.planner import GB, Plan, attention_variants, cached_tokens, effective_bits, load_catalog, make_plan
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from kvviz import plots
+from kvviz_app import plots
 
 
 def test_downsample_keeps_row_sums_and_bounds():

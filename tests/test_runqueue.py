@@ -3,7 +3,7 @@
 import threading
 import time
 
-from kvviz.runqueue import ABANDONED, CANCELLED, DONE, FAILED, RunQueue
+from kvviz_app.runqueue import ABANDONED, CANCELLED, DONE, FAILED, RunQueue
 
 
 def _blocker():
@@ -96,7 +96,7 @@ def test_a_running_job_whose_page_stopped_polling_is_abandoned():
 
 
 def test_the_third_of_three_users_is_told_two_runs_are_ahead():
-    from ui import queue_message
+    from kvviz_app.queue import queue_message
 
     queue = RunQueue()
     gate, job = _blocker()

@@ -10,7 +10,7 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 import kvviz.runs
-from kvviz.models import LoadedModel
+from kvviz.core.models import LoadedModel
 from kvviz.runs import CompareRequest, ResultStore, RunRequest
 
 ROOT = Path(__file__).resolve().parents[1]

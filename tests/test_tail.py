@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from kvviz import bench
-from kvviz.ledger import KEPT, EvictionLedger
+from kvviz.core.ledger import KEPT, EvictionLedger
+from kvviz.core.protect import with_protected
+from kvviz.core.session import PromptSession
+from kvviz.core.storage import KeptRanges
 from kvviz.methods import REGISTRY, SpecError, parse_spec
-from kvviz.protect import with_protected
-from kvviz.session import PromptSession
-from kvviz.storage import KeptRanges
-from kvviz.tail import (
+from kvviz.quality.tail import (
     MAX_HOPS,
     TASKS,
     Instruction,
@@ -190,7 +190,7 @@ def test_short_real_run_calibrates_attributes_and_protects(real_model):
 def test_tail_figures_order_tasks_and_mark_evicted_planted_tokens():
     import pandas as pd
 
-    from kvviz import plots
+    from kvviz_app import plots
 
     summary = pd.DataFrame([
         {"task": "vartrack k=2", "method": "full", "items": 2, "accuracy": 1.0},

@@ -5,8 +5,8 @@ import json
 import pytest
 
 from kvviz import cli
-from kvviz.memory import model_card
-from kvviz.three_axes import budget_specs, run_axes
+from kvviz.planning.memory import model_card
+from kvviz.quality.three_axes import budget_specs, run_axes
 
 
 def test_budget_specs_spend_a_third_on_each_axis_of_the_default_model(real_model):

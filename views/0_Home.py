@@ -4,8 +4,8 @@ import pandas as pd
 import plotly.express as px
 import streamlit as st
 
-from kvviz.memory import model_card
-from ui import device_status, model_picker, page_header
+from kvviz.planning.memory import model_card
+from kvviz_app.chrome import device_status, model_picker, page_header
 
 page_header(
     None,

@@ -2,20 +2,13 @@
 
 import streamlit as st
 
-from kvviz import plots
-from kvviz.memory import model_card
+from kvviz.planning.memory import model_card
 from kvviz.runs import MATRIX_SIZE
-from ui import (
-    attention_stats,
-    encode,
-    page_header,
-    prompt_input,
-    query_value,
-    require_model,
-    settings,
-    share_settings,
-    token_texts,
-)
+from kvviz_app import plots
+from kvviz_app.chrome import page_header, require_model, settings
+from kvviz_app.inputs import encode, prompt_input, token_texts
+from kvviz_app.queue import attention_stats
+from kvviz_app.url import query_value, share_settings
 
 DEFAULT_PROMPT = (
     "The committee met on Tuesday to decide where the new bridge should go. The engineers preferred the northern "

@@ -5,24 +5,15 @@ import json
 import pandas as pd
 import streamlit as st
 
-from kvviz import plots
 from kvviz.lessons import STORY_QUESTION
-from kvviz.memory import model_card
 from kvviz.methods import REGISTRY, SpecError, parse_spec
-from ui import (
-    encode,
-    method_configurator,
-    method_output,
-    methods_of,
-    page_header,
-    prompt_input,
-    query_value,
-    require_model,
-    run_comparison,
-    settings,
-    share_settings,
-    token_texts,
-)
+from kvviz.planning.memory import model_card
+from kvviz_app import plots
+from kvviz_app.chrome import page_header, require_model, settings
+from kvviz_app.inputs import encode, method_output, prompt_input, token_texts
+from kvviz_app.queue import run_comparison
+from kvviz_app.url import query_value, share_settings
+from kvviz_app.widgets import method_configurator, methods_of
 
 MAX_CONFIGS = 6
 DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py, tests/test_lessons.py)

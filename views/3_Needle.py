@@ -4,8 +4,12 @@ import json
 
 import streamlit as st
 
-from kvviz import plots
-from ui import budget_spec, method_configurator, page_header, query_value, require_model, run_needle, share_settings
+from kvviz.runs import NeedleRequest
+from kvviz_app import plots
+from kvviz_app.chrome import page_header, require_model
+from kvviz_app.queue import run_request
+from kvviz_app.url import query_value, share_settings
+from kvviz_app.widgets import budget_spec, method_configurator
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 DEPTHS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
@@ -64,15 +68,15 @@ ready = bool(lengths and depths and valid) and None not in specs
 if not lengths or not depths:
     st.warning("Choose at least one length and one depth.")
 if st.button("Run the grid", type="primary", disabled=not ready):
-    st.session_state["needle_request"] = (tuple(valid), tuple(sorted(lengths)), tuple(sorted(depths)), int(trials),
-                                          mode, chat, int(max_new))
+    st.session_state["needle_request"] = NeedleRequest(tuple(valid), tuple(sorted(lengths)), tuple(sorted(depths)),
+                                                       int(trials), mode, chat, int(max_new))
 
 request = st.session_state.get("needle_request")
 if request is None:
     st.info("Choose methods and a grid, then press **Run the grid**.")
     st.stop()
 try:
-    report = run_needle(loaded, list(request[0]), list(request[1]), list(request[2]), *request[3:])
+    report = run_request(loaded, request, "Building haystacks…", request_key="needle_request")
 except ValueError as error:
     st.error(str(error))
     st.stop()

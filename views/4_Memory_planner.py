@@ -3,12 +3,15 @@
 import pandas as pd
 import streamlit as st
 
-from kvviz import plots
-from kvviz.memory import model_card
 from kvviz.methods import SpecError
-from kvviz.needle import build_needle_prompt
-from kvviz.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
-from ui import methods_of, model_picker, page_header, query_value, run_comparison, share_settings
+from kvviz.planning.memory import model_card
+from kvviz.planning.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
+from kvviz.quality.needle import build_needle_prompt
+from kvviz_app import plots
+from kvviz_app.chrome import model_picker, page_header
+from kvviz_app.queue import run_comparison
+from kvviz_app.url import query_value, share_settings
+from kvviz_app.widgets import methods_of
 
 page_header("Memory planner", "Memory planner",
             "No model runs here: the numbers follow from each model's published shape. Architecture decides bytes "

@@ -9,21 +9,14 @@ from collections.abc import Callable
 import pandas as pd
 import streamlit as st
 
-from kvviz import plots
 from kvviz.lessons import NEEDLE_CODE, RUNS, LessonRun, is_filler_token, span_of
-from kvviz.memory import model_card
+from kvviz.planning.memory import model_card
 from kvviz.results import Comparison, MethodResult
-from ui import (
-    attention_stats,
-    encode,
-    method_output,
-    page_header,
-    query_value,
-    require_model,
-    run_comparison,
-    share_settings,
-    token_texts,
-)
+from kvviz_app import plots
+from kvviz_app.chrome import page_header, require_model
+from kvviz_app.inputs import encode, method_output, token_texts
+from kvviz_app.queue import attention_stats, run_comparison
+from kvviz_app.url import query_value, share_settings
 
 STEPS: list[tuple[str, Callable[[], None]]] = []
 
@@ -278,8 +271,8 @@ precision.
 @step("6 · Three axes, one budget")
 def three_axes() -> None:
     """Step 6: one share of the full cache spent on heads, on a latent, on tokens or on bits, measured live."""
-    from kvviz.needle import build_needle_prompt
-    from kvviz.three_axes import budget_specs
+    from kvviz.quality.needle import build_needle_prompt
+    from kvviz.quality.three_axes import budget_specs
 
     st.markdown("""
 The families of step 2 are three independent knobs: **fewer KV heads** (or a low-rank latent, MLA's idea), **fewer

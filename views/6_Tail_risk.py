@@ -5,18 +5,14 @@ import json
 import pandas as pd
 import streamlit as st
 
-from kvviz import plots
-from kvviz.tail import MAX_HOPS, MODES, PROTECT, TASKS
-from ui import (
-    budget_spec,
-    method_configurator,
-    page_header,
-    query_value,
-    require_model,
-    run_tail_report,
-    share_settings,
-    token_texts,
-)
+from kvviz.quality.tail import MAX_HOPS, MODES, PROTECT, TASKS
+from kvviz.runs import TailRequest
+from kvviz_app import plots
+from kvviz_app.chrome import page_header, require_model
+from kvviz_app.inputs import token_texts
+from kvviz_app.queue import run_request
+from kvviz_app.url import query_value, share_settings
+from kvviz_app.widgets import budget_spec, method_configurator
 
 LENGTHS = [128, 256, 384, 512, 1024, 2048]
 DEPTHS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9]
@@ -81,15 +77,15 @@ ready = bool(tasks and lengths and depths and valid) and None not in specs and (
 if not ready:
     st.warning("Choose at least one task, length and depth (and a hop count for vartrack).")
 if st.button("Run the tasks", type="primary", disabled=not ready):
-    st.session_state["tail_request"] = (tuple(valid), tuple(tasks), tuple(sorted(lengths)), tuple(sorted(depths)),
-                                        tuple(sorted(hops)), mode, tuple(protect))
+    st.session_state["tail_request"] = TailRequest(tuple(valid), tuple(tasks), tuple(sorted(lengths)),
+                                                   tuple(sorted(depths)), tuple(sorted(hops)), mode, tuple(protect))
 
 request = st.session_state.get("tail_request")
 if request is None:
     st.info("Choose tasks and methods, then press **Run the tasks**.")
     st.stop()
 try:
-    report = run_tail_report(loaded, *[list(r) if isinstance(r, tuple) else r for r in request])
+    report = run_request(loaded, request, "Building prompts…", request_key="tail_request")
 except ValueError as error:
     st.error(str(error))
     st.stop()

@@ -1,25 +1,23 @@
 """Prefix reuse: turns sharing a byte-stable preamble reuse its KV blocks; edits and query-aware eviction break it."""
 
-from collections.abc import Callable
 
 import pandas as pd
 import streamlit as st
 
-from kvviz import plots
-from kvviz.methods import SpecError, parse_spec
-from kvviz.models import LoadedModel
-from kvviz.prefix import (
+from kvviz.core.prefix import (
     DEFAULT_QUESTIONS,
-    ReuseReport,
-    context_cost,
     default_preamble,
     edit_preamble,
     question_turn,
-    run_turns,
     turn_ids,
 )
-from kvviz.prefix_sharing import DEFAULT_METHODS, SharingReport, compare_sharing
-from ui import page_header, query_value, queued, require_model, share_settings, through_queue
+from kvviz.methods import SpecError, parse_spec
+from kvviz.quality.prefix_sharing import DEFAULT_METHODS
+from kvviz.runs import ContextCostRequest, PrefixSharingRequest, PrefixTurnsRequest
+from kvviz_app import plots
+from kvviz_app.chrome import page_header, require_model
+from kvviz_app.queue import run_request
+from kvviz_app.url import query_value, share_settings
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 EDITS = {"timestamp": "insert a timestamp line", "reorder": "swap two lines"}
@@ -75,37 +73,8 @@ prompts = [preamble_ids + q for _, q in pieces] + [edited_ids[0] + edited_ids[1]
 labels = [f"turn {i + 1}: {q[:32]}" for i, q in enumerate(questions)] + [f"edited preamble, turn {len(questions)}"]
 
 
-@st.cache_data(show_spinner=False, max_entries=16)
-def cached_turns(model_name: str, prompts: tuple[tuple[int, ...], ...], labels: tuple[str, ...], block_tokens: int,
-                 _loaded: LoadedModel, _user: str, _progress: Callable[[float, str], None]) -> ReuseReport:
-    """The turns through a fresh prefix cache, keyed by their tokens."""
-    def job(report):
-        with _loaded.lock:
-            return run_turns(_loaded, [list(p) for p in prompts], list(labels), block_tokens, progress=report)
-    return through_queue(_user, job, _progress)
-
-
-@st.cache_data(show_spinner=False, max_entries=16)
-def cached_sharing(model_name: str, preamble: tuple[int, ...], question_a: tuple[int, ...],
-                   question_b: tuple[int, ...], specs: tuple[str, ...], max_new: int, _loaded: LoadedModel,
-                   _user: str, _progress: Callable[[float, str], None]) -> SharingReport:
-    return through_queue(_user, lambda report: compare_sharing(_loaded, list(preamble), list(question_a),
-                                                               list(question_b), list(specs), max_new, report),
-                         _progress)
-
-
-@st.cache_data(show_spinner=False, max_entries=16)
-def cached_cost(model_name: str, tokens: tuple[int, ...], lengths: tuple[int, ...], _loaded: LoadedModel,
-                _user: str, _progress: Callable[[float, str], None]):
-    def job(report):
-        with _loaded.lock:
-            return context_cost(_loaded, list(tokens), list(lengths), report)
-    return through_queue(_user, job, _progress)
-
-
-report = queued(lambda user, progress: cached_turns(loaded.name, tuple(map(tuple, prompts)), tuple(labels),
-                                                    int(block_tokens), loaded, user, progress),
-                "Prefilling each turn fresh and with reuse…")
+report = run_request(loaded, PrefixTurnsRequest(tuple(map(tuple, prompts)), tuple(labels), int(block_tokens)),
+                     "Prefilling each turn fresh and with reuse…")
 turns = report.turns
 shared, edited = turns[:-1], turns[-1]
 
@@ -159,10 +128,9 @@ else:
                "question (SnapKV votes with the question in its observation window). Query-agnostic: the preamble "
                "is compressed alone and the question fed afterwards (kvpress's query-agnostic setting). A prefix "
                "cache can share the compressed preamble only if both questions keep the same tokens.")
-    sharing = queued(lambda user, progress: cached_sharing(loaded.name, tuple(preamble_ids), tuple(pieces[0][1]),
-                                                           tuple(pieces[1][1]), tuple(specs), int(max_new),
-                                                           loaded, user, progress),
-                     "Compressing the preamble for two questions…")
+    sharing = run_request(loaded, PrefixSharingRequest(tuple(preamble_ids), tuple(pieces[0][1]), tuple(pieces[1][1]),
+                                                       tuple(specs), int(max_new)),
+                          "Compressing the preamble for two questions…")
     st.plotly_chart(plots.jaccard_figure([(f"{r.method} ({r.mode.replace('_', '-')})", r.jaccard_per_layer)
                                           for r in sharing.rows]), width="stretch")
     table = pd.DataFrame(sharing.to_rows()).rename(columns={
@@ -175,8 +143,8 @@ else:
 
 st.subheader("Context length as a cost")
 if lengths:
-    costs = queued(lambda user, progress: cached_cost(loaded.name, tuple(prompts[0]), tuple(sorted(lengths)), loaded,
-                                                      user, progress), "Prefilling each length…")
+    costs = run_request(loaded, ContextCostRequest(tuple(prompts[0]), tuple(sorted(lengths))),
+                        "Prefilling each length…")
     st.plotly_chart(plots.context_cost_figure([c.tokens for c in costs], [c.prefill_seconds for c in costs],
                                               [c.kv_bytes for c in costs]), width="stretch")
     st.caption(f"Measured on {loaded.name} ({loaded.device}): each prompt is the preamble and first question, "

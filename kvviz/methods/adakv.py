@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from kvviz.core.storage import RaggedKeep
 from kvviz.methods.base import LayerView, Param, register
 from kvviz.methods.kvpress_scorer import PRESSES, KVPressScorer
-from kvviz.storage import RaggedKeep
 
 
 def adaptive_keep(scores: torch.Tensor, per_head: int, alpha: float) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvviz.storage import KeptRanges
+from kvviz.core.storage import KeptRanges
 
 
 class SpecError(ValueError):
@@ -301,7 +301,7 @@ class EvictionMethod(Method):
     def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | KeptRanges | None:
         """After the prompt's forward: entries to keep as :meth:`select` returns them, or None to keep all.
 
-        ``stats`` is the prefill's :class:`kvviz.capture.AttentionStats` (when the method asked for capture).
+        ``stats`` is the prefill's :class:`kvviz.core.capture.AttentionStats` (when the method asked for capture).
         """
         return self.select(view)
 
@@ -357,7 +357,7 @@ def topk_keep(scores: torch.Tensor, count: int, forced: torch.Tensor | None = No
 
 
 class QuantizationMethod(Method):
-    """Decides how entries are stored: builds one storage object per layer (see :mod:`kvviz.storage`)."""
+    """Decides how entries are stored: builds one storage object per layer (see :mod:`kvviz.core.storage`)."""
 
     kind = "quantization"
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
 from kvviz.methods.kivi import refuse_rerotation
-from kvviz.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 
 BLOCK = 64  # smallest blocksize bitsandbytes' CPU kernels accept above 32 for every type
 

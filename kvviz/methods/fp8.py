@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 from kvviz.methods.base import MethodStack, Param, QuantizationMethod, register
 from kvviz.methods.kivi import refuse_rerotation
-from kvviz.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SCALE_BYTES = 4  # fp32 scales, as vLLM and SGLang keep them

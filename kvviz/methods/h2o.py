@@ -13,7 +13,7 @@ from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, per_kv_
 class H2OState:
     """Accumulated attention of the entries H2O kept at its last selection, [B, H_kv, T], with their absolute
     positions: the next step matches scores to entries by position, so the cache may keep more than H2O chose
-    (protected spans, :mod:`kvviz.protect`; those start again from 0)."""
+    (protected spans, :mod:`kvviz.core.protect`; those start again from 0)."""
 
     scores: torch.Tensor | None = None
     positions: torch.Tensor | None = None

@@ -15,8 +15,8 @@ import importlib.util
 
 import torch
 
+from kvviz.core.storage import KVStorage, StorageBytes, tensor_bytes
 from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
-from kvviz.storage import KVStorage, StorageBytes, tensor_bytes
 
 SCALE_BITS = 16  # per scale and zero at 16-bit compute dtype (nbytes counts what the backend really holds)
 BACKENDS = {"quanto": ("optimum.quanto", "optimum-quanto", (2, 4)), "hqq": ("hqq", "hqq", (1, 2, 3, 4, 8))}

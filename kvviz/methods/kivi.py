@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
-from kvviz.quant import (
+from kvviz.core.quant import (
     Quantized,
     channel_groups,
     dequantize_per_channel,
@@ -30,7 +29,8 @@ from kvviz.quant import (
     quantize_per_channel,
     quantize_per_token,
 )
-from kvviz.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
+from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
+from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
 
 SCALE_BITS = 16  # one fp16 scale or zero point
 

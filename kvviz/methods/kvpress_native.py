@@ -2,8 +2,8 @@
 
 kvpress keeps no record of what a press dropped. Here the press runs with its own context manager during a prefill
 into a transformers ``DynamicCache``; a forward hook registered before the press's snapshots each layer's full keys
-and values, and every row the press left is matched back to the full row it came from (:mod:`kvviz.rowmatch`). That
-gives a kept index per layer and KV head, so kvviz's cache, ledger, bytes and decode see exactly the press's result.
+and values, and every row the press left is matched back to the full row it came from (:mod:`kvviz.presses.rowmatch`).
+This gives a kept index per layer and KV head: kvviz's cache, ledger, bytes and decode see what the press kept.
 
 Honest about presses that change entries: re-rotated keys (KeyRerotation, Finch) are matched after undoing the
 rotation; zeroed key channels (ThinK) are reported as channels kept per head; presses whose values change (merging)
@@ -55,7 +55,7 @@ def press_name(cls: type) -> str:
 
 def _custom_presses() -> dict[str, type]:
     """Presses named by the server setting ``KVVIZ_PRESSES`` (dotted paths), when the settings allow them."""
-    from kvviz.config import Settings
+    from kvviz.core.config import Settings
 
     settings = Settings.from_env()
     found: dict[str, type] = {}
@@ -351,7 +351,7 @@ class KVPressNative(EvictionMethod):
         """Run the prompt with the press's hooks active (cached per prompt: a teacher-forced rerun reuses it)."""
         key = tuple(session.prompt_ids)
         if self._prefill is None or self._prefill[0] != key:
-            from kvviz.kvpress_run import run_press_prefill
+            from kvviz.presses.native import run_press_prefill
 
             press = self.build_press(session.num_layers)
             outcome = run_press_prefill(session.loaded, session.prompt_ids, press, press_name(self.press_class),

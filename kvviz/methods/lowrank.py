@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.architecture import ArchitectureStorage
+from kvviz.core.architecture import ArchitectureStorage
+from kvviz.core.storage import KeptRanges, KVStorage, gather_tokens, take_ranges, tensor_bytes
 from kvviz.methods.base import ArchitectureMethod, MethodStack, Param, SpecError, register
-from kvviz.storage import KeptRanges, KVStorage, gather_tokens, take_ranges, tensor_bytes
 
 
 def principal_directions(samples: torch.Tensor, rank: int) -> torch.Tensor:

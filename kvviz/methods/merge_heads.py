@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.architecture import ArchitectureStorage
+from kvviz.core.architecture import ArchitectureStorage
+from kvviz.core.storage import KVStorage
 from kvviz.methods.base import ArchitectureMethod, Param, SpecError, register
-from kvviz.storage import KVStorage
 
 
 class MergedHeadsStorage(ArchitectureStorage):

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from kvviz.core.storage import KeptRanges
 from kvviz.methods.base import Budget, EvictionMethod, LayerView, MethodStack, Param, SpecError, register
 from kvviz.methods.window import sinks_and_recent
-from kvviz.storage import KeptRanges
 
 
 @register

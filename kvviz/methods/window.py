@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvviz.core.storage import KeptRanges
 from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register
-from kvviz.storage import KeptRanges
 
 
 def sinks_and_recent(view: LayerView, sinks: int, recent: int) -> KeptRanges | None:

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-import ui
 from kvviz.methods import REGISTRY
+from kvviz_app import widgets
 
 DEPLOYED = {"fp8": "quantization", "adakv": "eviction", "pyramidkv": "eviction", "per_layer": "eviction",
             "decoding": "eviction", "merge": "eviction"}
@@ -25,5 +25,5 @@ def test_listed_by_the_cli_with_their_parameters():
 
 @pytest.mark.parametrize("name, kind", sorted(DEPLOYED.items()))
 def test_offered_by_the_compare_widgets(name, kind):
-    assert name in ui.methods_of(kind)
-    assert ui._initial_values(name)[kind] == name
+    assert name in widgets.methods_of(kind)
+    assert widgets._initial_values(name)[kind] == name

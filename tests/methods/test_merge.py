@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from kvviz.core.session import PromptSession
 from kvviz.methods import parse_spec
 from kvviz.methods.merge import merge_into_nearest
-from kvviz.session import PromptSession
 from tests.methods.test_window import prompt
 
 

@@ -2,8 +2,8 @@
 
 import torch
 
+from kvviz.core.quant import error_bound
 from kvviz.methods import parse_spec
-from kvviz.quant import error_bound
 
 
 def _keys_with_outlier_channels(length=64, heads=2, dim=32):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from kvviz.core.models import ModelError
 from kvviz.methods import SpecError
-from kvviz.models import ModelError
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvviz.capture import mask_padded_keys
-from kvviz.ledger import EvictionLedger
+from kvviz.core.capture import mask_padded_keys
+from kvviz.core.ledger import EvictionLedger
+from kvviz.core.protect import with_protected
+from kvviz.core.storage import DenseStorage, KeptRanges, KVStorage, MergedKeep, RaggedKeep, StorageBytes, take_ranges
 from kvviz.methods.base import EvictionMethod, LayerView, MethodStack, SpecError
-from kvviz.protect import with_protected
-from kvviz.storage import DenseStorage, KeptRanges, KVStorage, MergedKeep, RaggedKeep, StorageBytes, take_ranges
 
 
 @dataclass
@@ -207,7 +207,7 @@ class KVCache(Cache):
     ):
         self.stack = stack or MethodStack()
         self.ledger = ledger
-        self.protected = protected  # absolute positions no eviction may drop (kvviz.protect), or None
+        self.protected = protected  # absolute positions no eviction may drop (kvviz.core.protect), or None
         self.rotate_keys = rotate_keys
         self.prompt_length = 0
         self.step = 0
@@ -298,7 +298,7 @@ class KVCache(Cache):
         """A new cache holding ``prefill``'s entries under ``stack``: stored its way, compressed by its eviction.
 
         ``prefill`` is a dense cache after the prompt's forward; it is not modified, so many methods can fork it.
-        ``protected``: absolute positions the eviction may never drop (see :mod:`kvviz.protect`).
+        ``protected``: absolute positions the eviction may never drop (see :mod:`kvviz.core.protect`).
         """
         cache = cls(len(prefill.layers), stack, ledger, rotate_keys, protected)
         cache.prompt_length = prefill.prompt_length

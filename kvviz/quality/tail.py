@@ -2,10 +2,10 @@
 
 A method can pass the single needle and still lose a distractor-laden key, one of several values, one hop of a
 chain or one instruction of a system prompt. Each task family plants statements in kvviz's seeded filler
-(:func:`kvviz.needle.filler_sentences`) at chosen depths of a prompt of a chosen length, records every planted span
-as token positions, asks a question, and scores the greedy answer exactly:
+(:func:`kvviz.quality.needle.filler_sentences`) at chosen depths of a prompt of a chosen length, records every planted
+span as token positions, asks a question, and scores the greedy answer exactly:
 
-- ``needle``: the single pass key of :mod:`kvviz.needle`, the reference the others are read against;
+- ``needle``: the single pass key of :mod:`kvviz.quality.needle`, the reference the others are read against;
 - ``multikey``: several similar keys, one asked for (the others are distractors, as in RULER's multi-key needle);
 - ``multivalue``: one key with several values, all asked for (correct only when every value is given);
 - ``vartrack``: a chain of k assignments (``A = 48213``, ``B = A``, ...) in reading order from the chosen depth,
@@ -26,10 +26,12 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvviz.ledger import KEPT
+from kvviz.core.ledger import KEPT
+from kvviz.core.models import LoadedModel
+from kvviz.core.replay import Progress
+from kvviz.core.session import PromptSession, capture_for
 from kvviz.methods import parse_spec
-from kvviz.models import LoadedModel
-from kvviz.needle import (
+from kvviz.quality.needle import (
     MODES,
     build_needle_prompt,
     filler_for,
@@ -38,8 +40,6 @@ from kvviz.needle import (
     needle_eviction,
     span_tokens,
 )
-from kvviz.replay import Progress
-from kvviz.session import PromptSession, capture_for
 
 TASKS = ("needle", "multikey", "multivalue", "vartrack", "instructions")
 PROTECT = ("system", "planted")  # what --protect can name: the system turn, or every planted span (an oracle)

@@ -1,6 +1,6 @@
 """Protected spans: tokens no eviction method may drop (the Pitfalls paper's whitelisting), for every method at once.
 
-Protection is applied where the cache applies a method's keep choice (:meth:`kvviz.cache.KVLayer.apply_keep`), so
+Protection is applied where the cache applies a method's keep choice (:meth:`kvviz.core.cache.KVLayer.apply_keep`), so
 no method needs to know about it. The method chooses as usual, over every cached entry (protected ones included);
 any protected entry it dropped is then put back.
 
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from kvviz.core.storage import KeptRanges
 from kvviz.methods.base import topk_keep
-from kvviz.storage import KeptRanges
 
 
 def protected_positions(spans: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> torch.Tensor:

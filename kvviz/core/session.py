@@ -1,8 +1,8 @@
 """One prompt, many methods: prefill once (with attention statistics when asked), then fork a cache per method.
 
-A comparison of N methods costs one prefill plus N decodes, batched into one on an accelerator (:mod:`kvviz.batch`).
-Prefill-time selection (SnapKV, H2O's initial scores) reads the shared statistics, so forking is exactly what an
-independent run of that method would do.
+A comparison of N methods costs one prefill plus N decodes, batched into one on an accelerator
+(:mod:`kvviz.core.batch`). Prefill-time selection (SnapKV, H2O's initial scores) reads the shared statistics, so forking
+is exactly what an independent run of that method would do.
 """
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kvviz.architecture import ArchitectureStorage, axis_factors
-from kvviz.batch import ROW_ERRORS, Row, decode_together
-from kvviz.cache import KVCache, rope_rotator
-from kvviz.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
-from kvviz.diagnostics import quantization_report
-from kvviz.ledger import EvictionLedger
-from kvviz.memory import model_card
+from kvviz.core.architecture import ArchitectureStorage, axis_factors
+from kvviz.core.batch import ROW_ERRORS, Row, decode_together
+from kvviz.core.cache import KVCache, rope_rotator
+from kvviz.core.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
+from kvviz.core.ledger import EvictionLedger
+from kvviz.core.models import LoadedModel
+from kvviz.core.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
+from kvviz.core.protect import protected_positions
+from kvviz.core.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
 from kvviz.methods import MethodStack, SpecError, parse_spec
-from kvviz.metrics import forced_comparison
-from kvviz.models import LoadedModel
-from kvviz.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
-from kvviz.protect import protected_positions
-from kvviz.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
+from kvviz.planning.memory import model_card
+from kvviz.quality.diagnostics import quantization_report
+from kvviz.quality.metrics import forced_comparison
 from kvviz.results import Comparison, MethodResult
 
 
@@ -72,14 +72,14 @@ class Prefill:
     last_logits: torch.Tensor
     stats: AttentionStats | None
     seconds: float
-    reused_tokens: int = 0  # leading prompt tokens taken from the model's prefix cache (kvviz.prefix)
+    reused_tokens: int = 0  # leading prompt tokens taken from the model's prefix cache (kvviz.core.prefix)
 
 
 class PromptSession:
     """A loaded model and one tokenized prompt. Not thread-safe: hold ``loaded.lock`` around its use."""
 
     def __init__(self, loaded: LoadedModel, prompt_ids: list[int], reuse_prefix: bool = False):
-        """``reuse_prefix``: prefill through the model's prefix cache when the capture allows (kvviz.prefix)."""
+        """``reuse_prefix``: prefill through the model's prefix cache when the capture allows (kvviz.core.prefix)."""
         if not prompt_ids:
             raise PromptError("the prompt is empty")
         context = getattr(loaded.config, "max_position_embeddings", None)
@@ -117,7 +117,7 @@ class PromptSession:
     def fork(self, stack: MethodStack, ledger: bool = True, protect: list[tuple[int, int]] | None = None) -> KVCache:
         """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill.
 
-        ``protect``: ``[start, end)`` token spans no eviction may drop (:mod:`kvviz.protect`).
+        ``protect``: ``[start, end)`` token spans no eviction may drop (:mod:`kvviz.core.protect`).
         """
         if stack.eviction is not None:
             stack.eviction.check_context(len(self.prompt_ids))
@@ -163,8 +163,8 @@ class PromptSession:
             protect: list[tuple[int, int]] | None = None) -> tuple[MethodResult, DecodeTrace]:
         """Fork a cache for one method and decode; returns the result and the raw trace.
 
-        ``suffix_tokens`` are fed after compression, before generating (see :func:`kvviz.replay.decode`);
-        ``protect`` spans are never evicted (:mod:`kvviz.protect`).
+        ``suffix_tokens`` are fed after compression, before generating (see :func:`kvviz.core.replay.decode`);
+        ``protect`` spans are never evicted (:mod:`kvviz.core.protect`).
         """
         stack = parse_spec(spec) if isinstance(spec, str) else spec
         started = time.perf_counter()
@@ -223,20 +223,20 @@ def compare(
     """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
 
     Each method's text is its own free-running output; its agreement, KL and first divergence are teacher-forced on
-    full's tokens (:mod:`kvviz.metrics`). A method whose free-running tokens equal full's needs no teacher-forced
-    decode: it would feed the method exactly the inputs it already saw. A method that fails is reported with its
-    error while the others still complete.
+    full's tokens (:mod:`kvviz.quality.metrics`). A method whose free-running tokens equal full's needs no
+    teacher-forced decode: it would feed the method exactly the inputs it already saw. A method that fails is reported
+    with its error while the others still complete.
 
     ``batched``: one prefill, then every method decodes in one batch, one forward per step for all of them
-    (:mod:`kvviz.batch`); a method's teacher-forced twin joins at the step it first parts from full, and each result's
-    ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False`` decodes the methods one after
-    another after the same prefill. The default (None) batches on an accelerator and not on a CPU, as measured with
-    ``kvviz bench --sections batched_compare`` (six configurations, 2K prompt, 32 tokens): 0.36x the sequential
+    (:mod:`kvviz.core.batch`); a method's teacher-forced twin joins at the step it first parts from full, and each
+    result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False`` decodes the methods one
+    after another after the same prefill. The default (None) batches on an accelerator and not on a CPU, as measured
+    with ``kvviz bench --sections batched_compare`` (six configurations, 2K prompt, 32 tokens): 0.36x the sequential
     time on an H200, slower than sequential on the 2-core CPU, where every row pays attention over the longest
     row's padded keys and an H2O row turns the whole batch's attention explicit. Both paths give the same tokens,
     ledgers and bytes (tests/test_batched.py); it gives the same tokens, ledgers and bytes. ``reuse_prefix``: the
     prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
-    re-runs only the tail; see :mod:`kvviz.prefix`).
+    re-runs only the tail; see :mod:`kvviz.core.prefix`).
     """
     stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
     if not any(s.label == "full" for s in stacks):

@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvviz.models import DEFAULT_MODEL
+from kvviz.core.models import DEFAULT_MODEL
 
 
 class SettingsError(ValueError):

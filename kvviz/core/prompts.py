@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvviz.session import PromptError, encode_prompt
+from kvviz.core.session import PromptError, encode_prompt
 
 TEXT_SUFFIXES = (".txt", ".md")
 

@@ -1,19 +1,19 @@
 """Three axes, one budget: spend the same share of the full cache on fewer heads, fewer tokens or fewer bits.
 
-One needle prompt (a pass key hidden in filler, :mod:`kvviz.needle`) replayed under each SPEC: agreement and KL with
-full (teacher-forced, :mod:`kvviz.metrics`), whether the answer holds the key, and the bytes split into the three
-factors (:mod:`kvviz.architecture`). ``python -m kvviz axes`` prints it; the Lessons page runs it live.
+One needle prompt (a pass key hidden in filler, :mod:`kvviz.quality.needle`) replayed under each SPEC: agreement and KL
+with full (teacher-forced, :mod:`kvviz.quality.metrics`), whether the answer holds the key, and the bytes split into the
+three factors (:mod:`kvviz.core.architecture`). ``python -m kvviz axes`` prints it; the Lessons page runs it live.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvviz.memory import ModelCard
-from kvviz.models import LoadedModel
-from kvviz.needle import build_needle_prompt
-from kvviz.replay import Progress
-from kvviz.session import compare
+from kvviz.core.models import LoadedModel
+from kvviz.core.replay import Progress
+from kvviz.core.session import compare
+from kvviz.planning.memory import ModelCard
+from kvviz.quality.needle import build_needle_prompt
 
 
 def budget_specs(card: ModelCard, fraction: float) -> dict[str, str]:

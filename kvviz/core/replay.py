@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvviz.cache import KVCache
-from kvviz.capture import listening
+from kvviz.core.cache import KVCache
+from kvviz.core.capture import listening
 
 Progress = Callable[[float, str], None]
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvviz.cache import KVCache
-from kvviz.capture import listening
+from kvviz.core.cache import KVCache
+from kvviz.core.capture import listening
+from kvviz.core.models import LoadedModel
+from kvviz.core.replay import forward_step
+from kvviz.core.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
-from kvviz.models import LoadedModel
-from kvviz.replay import forward_step
-from kvviz.session import PromptSession
 
 CHUNK = 256  # tokens per forward when evaluating the full cache in chunks
 PREFILL_ONLY = ("snapkv", "kvpress")  # methods that compress a prompt once and never evict while tokens arrive

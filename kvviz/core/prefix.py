@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvviz.cache import KVCache
-from kvviz.capture import CaptureConfig
-from kvviz.models import LoadedModel
-from kvviz.replay import forward_step
+from kvviz.core.cache import KVCache
+from kvviz.core.capture import CaptureConfig
+from kvviz.core.models import LoadedModel
+from kvviz.core.replay import forward_step
 
 BLOCK_TOKENS = 16  # vLLM's default block size
 BUDGET_BYTES = 512 * 2**20  # per loaded model: about 11K tokens of SmolLM2-135M in float32
-PREAMBLE_FILE = Path(__file__).resolve().parent.parent / "assets" / "prefix_preamble.txt"
+PREAMBLE_FILE = Path(__file__).resolve().parents[2] / "assets" / "prefix_preamble.txt"
 DEFAULT_QUESTIONS = (
     "Can I take my bicycle and a kayak on the 14:00 sailing to the Rock, and what will that cost?",
     "I use a wheelchair and I am driving to Kilmory in August. How do I board?",

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvviz.memory import ModelCard, card_from_config
+from kvviz.planning.memory import ModelCard, card_from_config
 
-CATALOG_PATH = Path(__file__).resolve().parents[1] / "assets" / "model_configs.json"
+CATALOG_PATH = Path(__file__).resolve().parents[2] / "assets" / "model_configs.json"
 GB = 1e9
 METADATA_BITS_PER_GROUP = 32  # one fp16 scale and one fp16 zero point per quantization group
 

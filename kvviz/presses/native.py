@@ -12,10 +12,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from kvviz.cache import KeyRotator, KVCache
+from kvviz.core.cache import KeyRotator, KVCache
+from kvviz.core.models import LoadedModel
 from kvviz.methods.kvpress_native import MAX_KEY_DISTANCE, NativePrefill, NativeReport, NotMappable
-from kvviz.models import LoadedModel
-from kvviz.rowmatch import match_rows, match_rows_in_order
+from kvviz.presses.rowmatch import match_rows, match_rows_in_order
 
 _KVPRESS_ATTRIBUTES = ("rotary_emb", "masked_key_indices")
 

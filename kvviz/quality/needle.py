@@ -18,11 +18,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
-from kvviz.ledger import KEPT, EvictionLedger
+from kvviz.core.ledger import KEPT, EvictionLedger
+from kvviz.core.models import LoadedModel
+from kvviz.core.replay import Progress
+from kvviz.core.session import PromptSession, capture_for
 from kvviz.methods import parse_spec
-from kvviz.models import LoadedModel
-from kvviz.replay import Progress
-from kvviz.session import PromptSession, capture_for
 
 MODES = ("query_aware", "query_agnostic")
 INSTRUCTION = ("There is a pass key hidden inside a lot of irrelevant text. Find it and remember it. "
@@ -108,7 +108,7 @@ class NeedleReport:
 
 
 def filler_sentences(rng: random.Random) -> Iterator[str]:
-    """kvviz's own haystack: an endless stream of bland seeded sentences (shared with :mod:`kvviz.tail`)."""
+    """kvviz's own haystack: an endless stream of bland seeded sentences (shared with :mod:`kvviz.quality.tail`)."""
     while True:
         yield f"{rng.choice(_SUBJECTS)} {rng.choice(_PREDICATES)} {rng.choice(_TAILS)}."
 

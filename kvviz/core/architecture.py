@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvviz.storage import KeptRanges, KVStorage, StorageBytes
+from kvviz.core.storage import KeptRanges, KVStorage, StorageBytes
 
 
 class ArchitectureStorage(KVStorage):

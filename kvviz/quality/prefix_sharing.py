@@ -9,8 +9,8 @@ same tokens for every question by construction, so it can.
 For each method and mode this measures, per layer, the Jaccard overlap of the preamble tokens kept for question A
 and for question B (mean over KV heads), and the quality cost of answering B from the preamble compressed for A,
 next to answering B from its own: both teacher-forced on the full cache's answer to B (agreement and KL,
-:mod:`kvviz.metrics`). Both answers start from the same construction, the dense preamble cut to a kept set with B's
-tokens fed after it, so the only difference is whose kept set it is.
+:mod:`kvviz.quality.metrics`). Both answers start from the same construction, the dense preamble cut to a kept set with
+B's tokens fed after it, so the only difference is whose kept set it is.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvviz.cache import KVCache
+from kvviz.core.cache import KVCache
+from kvviz.core.models import LoadedModel
+from kvviz.core.prefix import prefill_with_prefix, prefix_cache_for
+from kvviz.core.replay import Progress, decode, eos_token_ids
+from kvviz.core.session import PromptSession
+from kvviz.core.storage import gather_tokens
 from kvviz.methods import parse_spec
-from kvviz.metrics import forced_comparison
-from kvviz.models import LoadedModel
-from kvviz.prefix import prefill_with_prefix, prefix_cache_for
-from kvviz.replay import Progress, decode, eos_token_ids
-from kvviz.session import PromptSession
-from kvviz.storage import gather_tokens
+from kvviz.quality.metrics import forced_comparison
 
 DEFAULT_METHODS = ("snapkv:budget=256,window=48", "streaming_llm:sinks=4,window=252,rerotate=0",
                    "kvpress:press=knorm,ratio=0.75")

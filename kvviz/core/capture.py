@@ -54,7 +54,7 @@ _listeners: contextvars.ContextVar[tuple[AttentionListener, ...]] = contextvars.
 
 
 class KeyPadding(Protocol):
-    """Rows of a batch whose keys were left-padded to one length (:mod:`kvviz.batch`): the mask that hides the
+    """Rows of a batch whose keys were left-padded to one length (:mod:`kvviz.core.batch`): the mask that hides the
     padding, ``[batch, 1, 1, keys]`` (True = attend), or None when no row is padded in this layer."""
 
     def key_mask(self, layer_idx: int) -> torch.Tensor | None: ...

@@ -1,12 +1,12 @@
 """Many caches, one forward: the configurations of a comparison decode together, one model call per step.
 
-Each row is an ordinary :class:`~kvviz.cache.KVCache` (its own method stack, storage, kept entries, rotary positions
-and ledger) doing exactly what it does alone. :class:`BatchCache` is the transformers ``Cache`` the model sees for a
-forward over N rows of one token each: each layer's ``update`` splits the new K/V by row, lets that row's
+Each row is an ordinary :class:`~kvviz.core.cache.KVCache` (its own method stack, storage, kept entries, rotary
+positions and ledger) doing exactly what it does alone. :class:`BatchCache` is the transformers ``Cache`` the model sees
+for a forward over N rows of one token each: each layer's ``update`` splits the new K/V by row, lets that row's
 ``KVLayer.update`` append and evict as it would alone, and left-pads the rows' K/V to one length. transformers sizes
 its mask before the update runs (and eviction inside the update changes each row's length), so kvviz's attention
-function masks the padding itself (:func:`kvviz.capture.padded_keys`), from the lengths each row reported. Rows whose
-method scores attention at decode time (H2O, TOVA) receive their own row's probabilities with the padding cut off.
+function masks the padding itself (:func:`kvviz.core.capture.padded_keys`), from the lengths each row reported. Rows
+whose method scores attention at decode time (H2O, TOVA) receive their own row's probabilities with the padding cut off.
 
 A row that fails inside its own update or selection is reported and leaves the batch; the others go on, because
 nothing of one row mixes with another's (the linear layers work row by row, attention is masked per row).
@@ -22,11 +22,11 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvviz.cache import KVCache
-from kvviz.capture import listening, padded_keys, take_padded_keys
-from kvviz.faults import is_out_of_memory
+from kvviz.core.cache import KVCache
+from kvviz.core.capture import listening, padded_keys, take_padded_keys
+from kvviz.core.faults import is_out_of_memory
+from kvviz.core.replay import DecodeTrace, Progress, Sampling
 from kvviz.methods import MethodStack, SpecError
-from kvviz.replay import DecodeTrace, Progress, Sampling
 
 ROW_ERRORS = (SpecError, RuntimeError, ValueError, IndexError)  # what fails one row without failing the others
 
@@ -195,7 +195,7 @@ def decode_together(
 ) -> list[Row]:
     """Decode every row together (one forward per step for all of them); rows leave as they stop or fail.
 
-    Each row does what :func:`kvviz.replay.decode` does alone: same tokens (greedy, or each row its own seeded
+    Each row does what :func:`kvviz.core.replay.decode` does alone: same tokens (greedy, or each row its own seeded
     sampler), same per-step bytes, same ledger. With a ``reference`` (full), a free-running row that first chooses a
     different token gets a teacher-forced twin, fed the reference's tokens from then on: until that step the row saw
     exactly the reference's inputs, so a copy of its cache made before the step's token is fed holds what a

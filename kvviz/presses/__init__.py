@@ -1,0 +1,1 @@
+"""kvpress's own presses run natively, mapped back to token positions, and their coverage."""

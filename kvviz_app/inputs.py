@@ -1,0 +1,81 @@
+"""What users hand in and what they read back: prompts (typed or uploaded, length-checked) and outputs."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from kvviz.core.models import LoadedModel
+from kvviz.core.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
+from kvviz.core.session import PromptError, encode_prompt
+from kvviz.planning.memory import model_card
+from kvviz.results import MethodResult
+from kvviz_app import plots
+from kvviz_app.chrome import settings
+
+
+def prompt_input(key: str, default: str, height: int = 160) -> str | None:
+    """A prompt from a text box or an uploaded .txt/.md file (size-limited).
+
+    A rejected upload returns None (its error shown) rather than falling back to the text box: the page then runs
+    nothing until the user removes or replaces the file.
+    """
+    limit = settings().max_upload_mb
+    text = st.text_area("Prompt", default, height=height, key=f"{key}_text")
+    upload = st.file_uploader(f"…or upload a .txt / .md file (up to {limit} MB)", type=["txt", "md"],
+                              key=f"{key}_file")
+    if upload is not None:
+        try:
+            text = decode_upload(upload.name, upload.getvalue(), limit * 2**20)
+            st.caption(f"Using **{upload.name}** ({len(text):,} characters) instead of the text box.")
+        except PromptError as error:
+            st.error(f"{error}. Nothing runs until you remove or replace the file.")
+            return None
+    return text
+
+
+def encode(loaded: LoadedModel, text: str | None, chat: bool, max_new_tokens: int = 0) -> list[int] | None:
+    """Token ids of the prompt, or None after showing why it cannot run (no prompt, empty, too long, no template).
+
+    A prompt over the server's limit is refused unless the user asks to cut its middle (see
+    :func:`kvviz.core.prompts.truncate_middle`); once they do, only what was cut is shown, no error.
+    """
+    if text is None:
+        return None
+    try:
+        ids = encode_prompt(loaded.tokenizer, text, chat=chat)
+    except PromptError as error:
+        st.error(f"Cannot run this prompt: {error}.")
+        return None
+    check = LengthCheck(len(ids), prompt_limit(model_card(loaded).context_length, settings().max_prompt_tokens,
+                                               max_new_tokens))
+    if check.too_long:
+        if not st.toggle(f"Cut the middle to fit {check.limit:,} tokens", key=f"truncate_{len(ids)}_{check.limit}",
+                         help="Keeps the document's start and end (the question), cut before the chat template."):
+            st.error(check.message)
+            return None
+        try:
+            truncation = truncate_middle(loaded.tokenizer, text, chat, check.limit)
+        except PromptError as error:
+            st.error(f"Cannot run this prompt: {error}.")
+            return None
+        st.info(truncation.message)
+        ids = truncation.token_ids
+    return ids
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def token_texts(model_name: str, ids: tuple[int, ...], _tokenizer, skip_special: bool = False) -> list[str]:
+    """Each token decoded on its own, for text shaded token by token."""
+    return [_tokenizer.decode([i], skip_special_tokens=skip_special) for i in ids]
+
+
+def method_output(loaded: LoadedModel, result: MethodResult) -> bool:
+    """One method's generated text with where it first departs from the full cache's marked in red; False (and the
+    error shown) when the method failed."""
+    st.markdown(f"**{result.method}**")
+    if result.error:
+        st.error(result.error)
+        return False
+    tokens = token_texts(loaded.name, tuple(result.token_ids), loaded.tokenizer, skip_special=True)
+    st.html(plots.divergence_html(tokens, result.first_divergence))
+    return True

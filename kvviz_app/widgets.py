@@ -1,0 +1,102 @@
+"""Method widgets built from the methods' own parameter declarations (the registry in kvviz.methods)."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
+
+
+def methods_of(kind: str) -> list[str]:
+    """Registered method names of one kind, ``full`` first."""
+    return sorted((n for n, c in REGISTRY.items() if c.kind == kind), key=lambda n: (n != "full", n))
+
+
+def _param_widget(param: Param, key: str, initial: object) -> object:
+    """One widget built from a method's parameter declaration."""
+    label, help_text = param.name, f"{param.help} ({param.describe_range()})"
+    if param.choices is not None:
+        options = list(param.choices)
+        return st.selectbox(label, options, index=options.index(initial) if initial in options else 0, key=key,
+                            help=help_text)
+    if param.type is bool:
+        return st.checkbox(label, value=bool(initial), key=key, help=help_text)
+    if param.type is int:
+        return st.number_input(label, value=int(initial), min_value=None if param.min is None else int(param.min),
+                               max_value=None if param.max is None else int(param.max), step=1, key=key,
+                               help=help_text)
+    if param.type is float:
+        return st.number_input(label, value=float(initial), min_value=param.min, max_value=param.max, key=key,
+                               help=help_text, format="%.4f")
+    return st.text_input(label, value=str(initial), key=key, help=help_text)
+
+
+def _initial_values(spec: str) -> dict[str, object]:
+    """Method names and parameter values a SPEC from the URL starts the widgets with."""
+    try:
+        stack = parse_spec(spec)
+    except SpecError:
+        return {}
+    values: dict[str, object] = {}
+    for method in stack.members():
+        values[method.kind] = method.name
+        for param in method.params:
+            value = getattr(method, param.name)
+            values[f"{method.name}.{param.name}"] = str(value) if isinstance(value, Budget) else value
+    return values
+
+
+def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> str | None:
+    """Architecture x eviction x quantization widgets for configuration ``index``; its SPEC or None (error shown)."""
+    initial = _initial_values(initial_spec)
+    chosen: list[str] = []
+    for kind, none_label in (("architecture", "none"), ("eviction", "full"), ("quantization", "none")):
+        options = methods_of(kind) if kind == "eviction" else [none_label, *methods_of(kind)]
+        start = initial.get(kind, none_label)
+        name = st.selectbox(kind.capitalize(), options, index=options.index(start) if start in options else 0,
+                            key=f"{prefix}{index}_{kind}", help="\n\n".join(
+                                f"**{n}**: {REGISTRY[n].summary}" for n in options if n in REGISTRY))
+        if name == none_label:
+            continue
+        values = {p.name: _param_widget(p, f"{prefix}{index}_{name}_{p.name}",
+                                        initial.get(f"{name}.{p.name}", p.default))
+                  for p in REGISTRY[name].params}
+        params_for = getattr(REGISTRY[name], "params_for", None)  # parameters that depend on earlier choices
+        try:
+            while params_for is not None and (later := [p for p in params_for(values) if p.name not in values]):
+                param = later[0]
+                values[param.name] = _param_widget(param, f"{prefix}{index}_{name}_{param.name}",
+                                                   initial.get(f"{name}.{param.name}", param.default))
+        except SpecError as error:
+            st.error(str(error))
+            return None
+        try:
+            chosen.append(REGISTRY[name](**values).spec())
+        except SpecError as error:
+            st.error(str(error))
+            return None
+    typed = st.text_input("…or type a SPEC", key=f"{prefix}{index}_spec", placeholder="snapkv:budget=64+kivi:bits=2",
+                          help="name[:key=value,...][+name[:key=value,...]]; overrides the widgets above")
+    spec = typed.strip() or "+".join(chosen) or "full"
+    try:
+        return parse_spec(spec).label
+    except SpecError as error:
+        st.error(str(error))
+        return None
+
+
+def budget_spec(name: str, tokens: int, **overrides: object) -> str | None:
+    """A SPEC for eviction method ``name`` keeping about ``tokens`` tokens, built from its declared parameters.
+
+    Splits ``tokens`` evenly over its Budget parameters (H2O: heavy and recent); None when the method is not
+    registered, declares no budget, or rejects the values.
+    """
+    method = REGISTRY.get(name)
+    budgets = [p.name for p in method.params if p.type is Budget] if method is not None else []
+    if not budgets:
+        return None
+    values = {name: max(1, tokens // len(budgets)) for name in budgets} | overrides
+    try:
+        return method(**values).spec()
+    except SpecError:
+        return None
