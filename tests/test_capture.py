@@ -119,6 +119,19 @@ def test_each_method_asks_for_only_the_capture_it_reads():
     assert press.layer_inputs and not press.all_queries and press.windows == ()
 
 
+
+def test_a_united_capture_covers_each_need_and_a_narrower_one_does_not():
+    windows = CaptureConfig(windows=(32,), all_queries=False)
+    inputs = CaptureConfig(layer_inputs=True, all_queries=False)
+    matrix = CaptureConfig(matrices=[(3, 0)], received_layers=(3,))
+    united = CaptureConfig.uniting([windows, None, inputs, matrix])
+    assert all(united.covers(need) for need in (windows, inputs, matrix, None))
+    assert united.windows == (32,) and united.layer_inputs and united.all_queries and united.received_layers == (3,)
+    assert not windows.covers(inputs) and not inputs.covers(windows)
+    assert not matrix.covers(CaptureConfig(received_layers=(4,)))  # another layer's received attention
+    assert not windows.covers(CaptureConfig(windows=(32,), all_queries=False, sink_tokens=8))
+    assert CaptureConfig.uniting([None, None]) is None
+
 def test_layers_without_received_attention_run_sdpa_and_still_report_exact_sink_mass(tiny_model, story_ids,
                                                                                      monkeypatch):
     from kvviz.core import capture

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -284,6 +285,40 @@ class CaptureConfig:
     def window_rows(self) -> int:
         """Trailing queries the capture reads: all of them, or just the longest observation window."""
         return max(self.windows, default=0)
+
+    def merged(self, other: CaptureConfig | None) -> CaptureConfig:
+        """This capture widened to also record what ``other`` asks for, so one prefill serves both.
+
+        Windows, matrices, layer inputs and every-query statistics are united; ``sink_tokens`` and ``matrix_size``
+        stay this capture's (methods never set them; :meth:`covers` tells when they differ).
+        """
+        if other is None:
+            return self
+        received = [c.received_layers for c in (self, other) if c.all_queries]
+        return replace(self, windows=tuple(sorted(set(self.windows) | set(other.windows))),
+                       matrices=sorted(set(self.matrices) | set(other.matrices)), layers=None,
+                       layer_inputs=self.layer_inputs or other.layer_inputs,
+                       all_queries=self.all_queries or other.all_queries,
+                       received_layers=None if None in received else tuple(sorted({i for r in received for i in r})))
+
+    def covers(self, other: CaptureConfig | None) -> bool:
+        """Whether a prefill recorded with this capture has everything ``other`` reads."""
+        if other is None:
+            return True
+        if not (set(other.windows) <= set(self.windows) and set(other.matrices) <= set(self.matrices)
+                and other.sink_tokens == self.sink_tokens and other.matrix_size == self.matrix_size
+                and self.layer_inputs >= other.layer_inputs and self.all_queries >= other.all_queries):
+            return False
+        return (not other.all_queries or self.received_layers is None
+                or (other.received_layers is not None and set(other.received_layers) <= set(self.received_layers)))
+
+    @staticmethod
+    def uniting(needs: Iterable[CaptureConfig | None]) -> CaptureConfig | None:
+        """One capture covering every need (None when nothing is needed)."""
+        united = None
+        for need in needs:
+            united = need if united is None else united.merged(need)
+        return united
 
 
 @dataclass

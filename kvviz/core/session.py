@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -52,16 +52,9 @@ def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
 def capture_for(stacks: list[MethodStack]) -> CaptureConfig | None:
     """The prefill capture these methods read (one capture serves them all, so the prompt runs once), or None.
 
-    Only H2O-style methods need statistics over every query; observation windows (SnapKV, TOVA) need just the last
-    queries, and kvpress scorers only each layer's input, which keeps their prefill close to a plain one.
+    Each eviction method declares its own needs (:meth:`~kvviz.methods.base.EvictionMethod.capture_needs`).
     """
-    evictions = [s.eviction for s in stacks if s.eviction is not None]
-    windows = tuple(sorted({w for e in evictions for w in e.prefill_windows}))
-    all_queries = any(e.uses_prefill_attention for e in evictions)
-    inputs = any(e.prefill_layer_inputs for e in evictions)
-    if not (windows or all_queries or inputs):
-        return None
-    return CaptureConfig(windows=windows, layer_inputs=inputs, all_queries=all_queries)
+    return CaptureConfig.uniting(s.eviction.capture_needs() for s in stacks if s.eviction is not None)
 
 
 @dataclass
@@ -100,7 +93,8 @@ class PromptSession:
 
     def prefill(self, capture: CaptureConfig | None = None) -> Prefill:
         """Run the prompt once into a dense cache; reuse it while the capture asked for is covered."""
-        if self._prefill is not None and _covers(self._capture, capture):
+        covered = capture is None or (self._capture is not None and self._capture.covers(capture))
+        if self._prefill is not None and covered:
             return self._prefill
         limit = reusable_tokens(capture, len(self.prompt_ids)) if self.reuse_prefix else 0
         recorder = StatsRecorder(capture, len(self.prompt_ids)) if capture is not None else None
@@ -138,23 +132,13 @@ class PromptSession:
         if stack.eviction is not None and stack.eviction.own_prefill:
             own = stack.eviction.run_prefill(self)
             return Prefill(own.cache, own.last_logits, own, own.seconds)
-        return self.prefill(self._with_capture(capture_for([stack])))
+        wanted = capture_for([stack])
+        return self.prefill(self._capture.merged(wanted) if self._capture is not None else wanted)
 
     def _detokenize(self, token_ids: list[int]) -> str:
         """Generated text; random-weight benchmark models have no tokenizer and no text."""
         tokenizer = self.loaded.tokenizer
         return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _with_capture(self, wanted: CaptureConfig | None) -> CaptureConfig | None:
-        """The capture already made, widened to also cover ``wanted`` (so a covered fork reuses the prefill)."""
-        current = self._capture
-        if wanted is None or current is None:
-            return current or wanted
-        received = [c.received_layers for c in (current, wanted) if c.all_queries]
-        return replace(current, windows=tuple(sorted(set(current.windows) | set(wanted.windows))), layers=None,
-                       layer_inputs=current.layer_inputs or wanted.layer_inputs,
-                       all_queries=current.all_queries or wanted.all_queries,
-                       received_layers=None if None in received else tuple(sorted({i for r in received for i in r})))
 
     def run(self, spec: str | MethodStack, max_new_tokens: int, sampling: Sampling | None = None,
             forced_tokens: list[int] | None = None, keep_logprobs: bool = False,
@@ -196,18 +180,6 @@ class PromptSession:
             projection_bytes=sum(layer.storage.weight_bytes() for layer in cache.layers
                                  if isinstance(layer.storage, ArchitectureStorage)),
         )
-
-
-def _covers(have: CaptureConfig | None, want: CaptureConfig | None) -> bool:
-    if want is None:
-        return True
-    if have is None:
-        return False
-    return (set(want.windows) <= set(have.windows) and set(want.matrices) <= set(have.matrices)
-            and want.sink_tokens == have.sink_tokens and want.matrix_size == have.matrix_size
-            and have.layer_inputs >= want.layer_inputs and have.all_queries >= want.all_queries
-            and (not want.all_queries or have.received_layers is None
-                 or (want.received_layers is not None and set(want.received_layers) <= set(have.received_layers))))
 
 
 def compare(

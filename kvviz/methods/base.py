@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvviz.core.capture import CaptureConfig
 from kvviz.core.storage import KeptRanges
 
 
@@ -290,10 +291,20 @@ class EvictionMethod(Method):
     why_not_with_architecture: ClassVar[str] = ""
     prefill_layer_inputs: ClassVar[bool] = False  # the method reads each attention layer's prefill input (kvpress)
     own_prefill: ClassVar[bool] = False  # the method runs the prompt itself (``run_prefill(session)``: kvpress native)
+    compresses_prompt_only: ClassVar[bool] = False  # True: the prompt is compressed once and nothing is evicted as
+    # tokens arrive (SnapKV, kvpress presses), so a token-by-token stream (streaming perplexity) never compresses
 
     @property
     def rerotate(self) -> bool:
         return False
+
+    def capture_needs(self) -> CaptureConfig | None:
+        """What this method reads from the prefill, from its declarations above (None: nothing). A comparison's
+        needs are united (:meth:`CaptureConfig.merged`) so that one prefill serves every method."""
+        if not (self.prefill_windows or self.uses_prefill_attention or self.prefill_layer_inputs):
+            return None
+        return CaptureConfig(windows=tuple(self.prefill_windows), layer_inputs=self.prefill_layer_inputs,
+                             all_queries=self.uses_prefill_attention)
 
     def new_state(self, layer_idx: int) -> Any:
         return None
@@ -322,6 +333,45 @@ class EvictionMethod(Method):
     def check_context(self, prompt_length: int) -> None:
         """Raise SpecError when the parameters cannot work on a prompt of this length."""
 
+
+
+class ScoringEviction(EvictionMethod):
+    """An eviction method that is its score: the base applies the budget and keeps the top entries per head.
+
+    A subclass gives :meth:`prefill_scores` (and :meth:`decode_scores` unless it compresses the prompt only); when
+    the budget covers every entry nothing is scored, as kvpress's ``ScorerPress`` does.
+    """
+
+    def keep_count(self, view: LayerView, stats: Any = None) -> int:
+        """Entries each head keeps: the ``budget`` parameter's tokens on this prompt, unless a subclass says else."""
+        return self.budget.tokens(view.prompt_length)
+
+    def prefill_scores(self, view: LayerView, stats: Any) -> torch.Tensor:
+        """Every cached entry's score after the prompt, [B, H_kv, T] (higher = keep); the decode score by default."""
+        return self.decode_scores(view)
+
+    def decode_scores(self, view: LayerView) -> torch.Tensor:
+        """Every cached entry's score during decoding, [B, H_kv, T] (or [B, 1, T]: one ranking for every head)."""
+        raise NotImplementedError
+
+    def always_kept(self, view: LayerView) -> torch.Tensor | None:
+        """Entries kept whatever their score (a bool mask [T]), or None."""
+        return None
+
+    def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | None:
+        return self._top(view, self.keep_count(view, stats), lambda: self.prefill_scores(view, stats))
+
+    def select(self, view: LayerView) -> torch.Tensor | None:
+        if self.compresses_prompt_only:
+            return None  # tokens generated after the prompt are all kept
+        return self._top(view, self.keep_count(view), lambda: self.decode_scores(view))
+
+    def _top(self, view: LayerView, count: int, scores: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        batch, heads, length = view.positions.shape
+        if count >= length:
+            return None
+        return topk_keep(scores().to(view.positions.device).expand(batch, heads, length), count,
+                         self.always_kept(view))
 
 def mask_to_indices(keep_mask: torch.Tensor) -> torch.Tensor | None:
     """Indices of True entries in ``keep_mask`` [B, H, T] (same count per head), or None when all are kept."""

@@ -264,6 +264,7 @@ class KVPressNative(EvictionMethod):
     name = "kvpress_native"
     summary = ("Any kvpress press (or your own, via KVVIZ_PRESSES) run by kvpress itself during prefill; kvviz maps "
                "what the press left back to token positions per layer and KV head.")
+    compresses_prompt_only = True
     params = (
         Param("press", str, "snapkv", "kvpress press by name (python -m kvviz methods --kvpress lists them)"),
     )

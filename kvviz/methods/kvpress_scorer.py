@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.methods.base import EvictionMethod, LayerView, Param, SpecError, register, topk_keep
+from kvviz.methods.base import LayerView, Param, ScoringEviction, SpecError, register
 
 PRESSES: dict[str, str] = {
     "snapkv": "SnapKVPress",
@@ -47,10 +47,11 @@ def kept_count(length: int, ratio: float) -> int:
 
 
 @register
-class KVPressScorer(EvictionMethod):
+class KVPressScorer(ScoringEviction):
     name = "kvpress"
     summary = ("A kvpress ScorerPress (its own scoring function, its default settings) compresses the prompt once; "
                "kvviz keeps the top-scoring entries per KV head and records the rest in the ledger.")
+    compresses_prompt_only = True
     params = (
         Param("press", str, "snapkv", "kvpress scorer", choices=tuple(PRESSES)),
         Param("ratio", float, 0.5, "compression ratio: share of the prompt's entries removed", min=0, max=0.99),
@@ -80,12 +81,8 @@ class KVPressScorer(EvictionMethod):
             raise SpecError(f"kvpress streaming_llm at ratio {self.ratio:g} keeps {kept} tokens, fewer than its "
                             "4 sinks + 1")
 
-    def prefill_select(self, view: LayerView, stats) -> torch.Tensor | None:
-        length = view.positions.shape[-1]
-        kept = self.layer_kept(length, view.layer_idx, stats)
-        if kept >= length:
-            return None
-        return topk_keep(self.prefill_scores(view, stats), kept)
+    def keep_count(self, view: LayerView, stats=None) -> int:
+        return self.layer_kept(view.positions.shape[-1], view.layer_idx, stats)
 
     def layer_kept(self, length: int, layer_idx: int, stats) -> int:
         """Entries each head of layer ``layer_idx`` keeps out of ``length``: the same in every layer here; the

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from kvviz.core.storage import MergedKeep, gather_tokens
-from kvviz.methods.base import LayerView, per_kv_head, register, topk_keep
-from kvviz.methods.snapkv import SnapKV, pooled_window_scores
+from kvviz.methods.base import LayerView, per_kv_head, register
+from kvviz.methods.snapkv import SnapKV
 
 WEIGHT_FLOOR = 1e-6  # tokens the window ignored still count a little, so no weighted mean divides by zero
 
@@ -51,14 +51,11 @@ class Merge(SnapKV):
                "head, weighted by the window's attention: the same bytes as snapkv, nothing simply dropped.")
 
     def prefill_select(self, view: LayerView, stats) -> MergedKeep | None:
-        batch, kv_heads, length = view.positions.shape
-        budget = self.budget.tokens(view.prompt_length)
-        if budget >= length:
+        kept = super().prefill_select(view, stats)
+        if kept is None:
             return None
+        batch, kv_heads, _ = view.positions.shape
         window_sum = stats.window_attention[self.window][view.layer_idx]
-        scores = pooled_window_scores(window_sum, self.window, self.kernel, self.pool, kv_heads)
-        scores = F.pad(scores, (0, self.window), value=float("inf")).expand(batch, -1, -1)
-        kept = topk_keep(scores.to(view.positions.device), budget)
         received = per_kv_head(window_sum.float().unsqueeze(0) / self.window, kv_heads, mean=True)
         keys, values = view.entries()
         merged_keys, merged_values = merge_into_nearest(keys, values, kept, received.expand(batch, -1, -1).to(

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register, topk_keep
+from kvviz.methods.base import Budget, LayerView, Param, ScoringEviction, register
 
 
 @register
-class RandomKeep(EvictionMethod):
+class RandomKeep(ScoringEviction):
     name = "random"
     summary = "Control: keep a random subset per KV head within the budget; the newest token always stays."
     params = (
@@ -20,14 +20,13 @@ class RandomKeep(EvictionMethod):
     def new_state(self, layer_idx: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.seed * 100_003 + layer_idx)
 
-    def select(self, view: LayerView) -> torch.Tensor | None:
+    def decode_scores(self, view: LayerView) -> torch.Tensor:
+        return torch.rand(view.positions.shape, generator=view.state)
+
+    def always_kept(self, view: LayerView) -> torch.Tensor | None:
+        """The newest token, once decoding has begun."""
         length = view.positions.shape[-1]
-        budget = self.budget.tokens(view.prompt_length)
-        if budget >= length:
-            return None
-        scores = torch.rand(view.positions.shape, generator=view.state)
-        newest = torch.arange(length) == length - 1
-        return topk_keep(scores, budget, newest if view.step > 0 else None).to(view.positions.device)
+        return torch.arange(length) == length - 1 if view.step > 0 else None
 
     def budget_for(self, prompt_length: int) -> int:
         return self.budget.tokens(prompt_length)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, SpecError, per_kv_head, register, topk_keep
+from kvviz.methods.base import Budget, LayerView, Param, ScoringEviction, SpecError, per_kv_head, register
 
 
 def pooled_window_scores(window_sum: torch.Tensor, window: int, kernel: int, pool: str, kv_heads: int) -> torch.Tensor:
@@ -23,10 +23,11 @@ def pooled_window_scores(window_sum: torch.Tensor, window: int, kernel: int, poo
 
 
 @register
-class SnapKV(EvictionMethod):
+class SnapKV(ScoringEviction):
     name = "snapkv"
     summary = ("Compress the prompt once: each KV head keeps the tokens the last `window` prompt queries attend to "
                "(pooled along the sequence, GQA groups averaged); the window itself is always kept.")
+    compresses_prompt_only = True
     params = (
         Param("budget", Budget, 1024, "tokens kept per head including the window: a count (256)"
                                       " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),
@@ -58,18 +59,11 @@ class SnapKV(EvictionMethod):
             raise SpecError(f"snapkv budget {self.budget} is {budget} tokens on this prompt, not more than the "
                             f"observation window {self.window}")
 
-    def prefill_select(self, view: LayerView, stats) -> torch.Tensor | None:
-        batch, kv_heads, length = view.positions.shape
-        budget = self.budget.tokens(view.prompt_length)
-        if budget >= length:
-            return None
+    def prefill_scores(self, view: LayerView, stats) -> torch.Tensor:
+        """The pooled votes of the window's queries; the window itself scores infinity (always kept)."""
         window_sum = stats.window_attention[self.window][view.layer_idx]
-        scores = pooled_window_scores(window_sum, self.window, self.kernel, self.pool, kv_heads)
-        scores = F.pad(scores, (0, self.window), value=float("inf")).expand(batch, -1, -1)
-        return topk_keep(scores.to(view.positions.device), budget)
-
-    def select(self, view: LayerView) -> None:
-        return None  # decode-time tokens are all kept, as in the reference
+        scores = pooled_window_scores(window_sum, self.window, self.kernel, self.pool, view.positions.shape[1])
+        return F.pad(scores, (0, self.window), value=float("inf"))
 
     def budget_for(self, prompt_length: int) -> int:
         return min(prompt_length, self.budget.tokens(prompt_length))

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register, topk_keep
+from kvviz.methods.base import Budget, LayerView, Param, ScoringEviction, register
 
 
 @register
-class TOVA(EvictionMethod):
+class TOVA(ScoringEviction):
     name = "tova"
     summary = ("Token omission via attention: whenever the cache is over budget, drop the tokens with the lowest "
                "attention from the newest query, averaged over all heads of the layer.")
@@ -17,17 +17,13 @@ class TOVA(EvictionMethod):
     scores_attention = True
     prefill_windows = (1,)
 
-    def prefill_select(self, view: LayerView, stats) -> torch.Tensor | None:
-        last_query = stats.window_attention[1][view.layer_idx]  # [H_q, N]: the prompt's last query
-        return self._keep(view, last_query.mean(0).view(1, -1).to(view.positions.device))
+    def prefill_scores(self, view: LayerView, stats) -> torch.Tensor:
+        """The prompt's last query's attention, averaged over every head of the layer: one ranking, [1, 1, T]."""
+        return stats.window_attention[1][view.layer_idx].mean(0).view(1, 1, -1)
 
-    def select(self, view: LayerView) -> torch.Tensor | None:
-        return self._keep(view, view.attention.float()[:, :, -1].mean(1))
-
-    def _keep(self, view: LayerView, scores: torch.Tensor) -> torch.Tensor | None:
-        """``scores`` [B, T]: one ranking per layer, shared by every KV head."""
-        batch, kv_heads, length = view.positions.shape
-        return topk_keep(scores.unsqueeze(1).expand(batch, kv_heads, length), self.budget.tokens(view.prompt_length))
+    def decode_scores(self, view: LayerView) -> torch.Tensor:
+        """The newest query's attention, averaged over every head of the layer: [B, 1, T]."""
+        return view.attention.float()[:, :, -1].mean(1).unsqueeze(1)
 
     def budget_for(self, prompt_length: int) -> int:
         return self.budget.tokens(prompt_length)

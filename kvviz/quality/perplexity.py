@@ -21,10 +21,9 @@ from kvviz.core.capture import listening
 from kvviz.core.models import LoadedModel
 from kvviz.core.replay import forward_step
 from kvviz.core.session import PromptSession
-from kvviz.methods import SpecError, parse_spec
+from kvviz.methods import REGISTRY, SpecError, parse_spec
 
 CHUNK = 256  # tokens per forward when evaluating the full cache in chunks
-PREFILL_ONLY = ("snapkv", "kvpress")  # methods that compress a prompt once and never evict while tokens arrive
 
 
 @dataclass
@@ -63,9 +62,11 @@ def _full_chunked(loaded: LoadedModel, token_ids: list[int], progress) -> torch.
 def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) -> torch.Tensor:
     """NLL of positions 1..N-1 feeding one token per step through the method's cache."""
     stack = parse_spec(spec)
-    if stack.eviction is not None and stack.eviction.name in PREFILL_ONLY:
+    if stack.eviction is not None and stack.eviction.compresses_prompt_only:
+        streaming = ", ".join(n for n, m in REGISTRY.items() if m.kind == "eviction" and n != "full"
+                              and not m.compresses_prompt_only)
         raise SpecError(f"{stack.label} compresses a prompt once; streaming perplexity needs a policy applied as "
-                        "tokens arrive (window, streaming_llm, h2o, tova, random)")
+                        f"tokens arrive ({streaming})")
     session = PromptSession(loaded, token_ids[:1])
     try:
         cache = session.fork(stack, ledger=False)
