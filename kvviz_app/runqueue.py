@@ -103,10 +103,6 @@ class RunQueue:
             running = self._running is not None and self._running is not ticket
             return order.index(ticket) + int(running)
 
-    def waiting(self) -> int:
-        with self._lock:
-            return sum(len(q) for q in self._per_user.values())
-
     def _planned_order(self) -> list[Ticket]:
         """The order queued runs will start in: one per user per round, users in arrival order."""
         queues = [list(q) for q in self._per_user.values()]

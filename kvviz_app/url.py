@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import streamlit as st
@@ -32,3 +32,8 @@ def share_settings(**values: object) -> None:
         current = st.query_params.get_all(name) if isinstance(text, list) else st.query_params.get(name)
         if current != text:
             st.query_params[name] = text
+
+
+def index_of(options: Sequence[object], value: object) -> int:
+    """Where ``value`` (often from the URL) sits among a widget's options; 0, the first option, when absent."""
+    return list(options).index(value) if value in options else 0

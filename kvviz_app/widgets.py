@@ -5,6 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from kvviz.methods import REGISTRY, Budget, Param, SpecError, parse_spec
+from kvviz_app.url import index_of
 
 
 def methods_of(kind: str) -> list[str]:
@@ -17,7 +18,7 @@ def _param_widget(param: Param, key: str, initial: object) -> object:
     label, help_text = param.name, f"{param.help} ({param.describe_range()})"
     if param.choices is not None:
         options = list(param.choices)
-        return st.selectbox(label, options, index=options.index(initial) if initial in options else 0, key=key,
+        return st.selectbox(label, options, index=index_of(options, initial), key=key,
                             help=help_text)
     if param.type is bool:
         return st.checkbox(label, value=bool(initial), key=key, help=help_text)
@@ -53,7 +54,7 @@ def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> s
     for kind, none_label in (("architecture", "none"), ("eviction", "full"), ("quantization", "none")):
         options = methods_of(kind) if kind == "eviction" else [none_label, *methods_of(kind)]
         start = initial.get(kind, none_label)
-        name = st.selectbox(kind.capitalize(), options, index=options.index(start) if start in options else 0,
+        name = st.selectbox(kind.capitalize(), options, index=index_of(options, start),
                             key=f"{prefix}{index}_{kind}", help="\n\n".join(
                                 f"**{n}**: {REGISTRY[n].summary}" for n in options if n in REGISTRY))
         if name == none_label:
@@ -82,21 +83,4 @@ def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> s
         return parse_spec(spec).label
     except SpecError as error:
         st.error(str(error))
-        return None
-
-
-def budget_spec(name: str, tokens: int, **overrides: object) -> str | None:
-    """A SPEC for eviction method ``name`` keeping about ``tokens`` tokens, built from its declared parameters.
-
-    Splits ``tokens`` evenly over its Budget parameters (H2O: heavy and recent); None when the method is not
-    registered, declares no budget, or rejects the values.
-    """
-    method = REGISTRY.get(name)
-    budgets = [p.name for p in method.params if p.type is Budget] if method is not None else []
-    if not budgets:
-        return None
-    values = {name: max(1, tokens // len(budgets)) for name in budgets} | overrides
-    try:
-        return method(**values).spec()
-    except SpecError:
         return None

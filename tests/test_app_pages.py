@@ -117,3 +117,16 @@ def test_lessons_every_step_renders_with_its_link():
         app.radio(key="step").set_value(app.radio(key="step").options[index]).run()
         assert not app.exception and not app.error
     assert app.query_params["step"] == str(len(app.radio(key="step").options))
+
+
+def test_tail_risk_page_scores_each_method_and_shows_what_a_failure_lost():
+    app = page("6_Tail_risk.py", m=["full", "window:window=24"], task=["multikey", "vartrack"], len="192",
+               depth="0.25", hops="1", protect="system")
+    assert not app.exception
+    next(b for b in app.button if b.label == "Run the tasks").click().run()
+    assert not app.exception and not app.error, texts(app.error)
+    assert "calibrated runs" in app.success[0].value
+    assert len(app.get("plotly_chart")) == 2, "the accuracy heatmap and the needle-vs-hops contrast"
+    assert app.selectbox(key="tail_failure").options, "a 24-token window loses planted statements at 192 tokens"
+    assert any("evicted" in str(c.value) for c in app.caption)
+    assert [b.label for b in app.get("download_button")] == ["Runs as CSV", "Report as JSON"]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from kvviz import cli
-from kvviz.cli import _play_text, main
+from kvviz.cli import main
+from kvviz.quality.perplexity import play_text
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -31,7 +32,7 @@ def test_ppl_of_full_equals_the_models_own_loss(real_model, tmp_path, monkeypatc
     assert main(["ppl", "--play", "hamlet", "--tokens", "160", "--start", "0", "--json", str(out), "--quiet"]) == 0
     data = json.loads(out.read_text())
     result = data["results"][0]
-    ids = real_model.tokenizer(_play_text("hamlet"))["input_ids"][:160]
+    ids = real_model.tokenizer(play_text("hamlet"))["input_ids"][:160]
     with torch.inference_mode():
         loss = float(real_model.model(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
     assert data["tokens"] == 160 and result["method"] == "full" and result["tokens"] == 159

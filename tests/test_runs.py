@@ -5,7 +5,6 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-import streamlit as st
 import torch
 from streamlit.testing.v1 import AppTest
 
@@ -74,11 +73,12 @@ def test_unreadable_result_is_recomputed(tmp_path):
 
 @pytest.mark.slow
 def test_page_opened_after_warm_up_does_not_run_the_model(real_model, monkeypatch):
+    from kvviz_app.queue import recent_results
     from kvviz_app.warm import warm
 
     runs = warm(["Compare"])
     assert [r.error for r in runs] == [None] and runs[0].buttons == 1
-    st.cache_data.clear()  # a new server process: nothing in memory, only the store on disk
+    recent_results.clear()  # a new server process: nothing in memory, only the store on disk
 
     def no_model(self, loaded, progress=None):
         raise AssertionError("the page ran the model although the warm-up stored its run")
@@ -88,3 +88,14 @@ def test_page_opened_after_warm_up_does_not_run_the_model(real_model, monkeypatc
     next(b for b in app.button if b.proto.type == "primary").click().run()
     assert not app.exception and not app.error, [e.value for e in app.error]
     assert app.dataframe, "the stored comparison is shown"
+
+
+def test_recent_results_return_the_same_object_and_drop_the_least_recently_used():
+    from kvviz_app.queue import RecentResults
+
+    memory, first = RecentResults(size=2), {"a": 1}
+    memory.put("a", first)
+    memory.put("b", {"b": 2})
+    assert memory.get("a") is first, "a re-render gets the very object, not an unpickled copy"
+    memory.put("c", {"c": 3})
+    assert memory.get("b") is None and memory.get("a") is first and memory.get("c") == {"c": 3}

@@ -12,7 +12,7 @@ from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, method_output, prompt_input, token_texts
 from kvviz_app.queue import run_comparison
-from kvviz_app.url import query_value, share_settings
+from kvviz_app.url import index_of, query_value, share_settings
 from kvviz_app.widgets import method_configurator, methods_of
 
 MAX_CONFIGS = 6
@@ -148,7 +148,7 @@ else:
     pick, layer_col, step_col = st.columns(3)
     names = [r.method for r in with_ledger]
     wanted = query_value("kept", names[0], str)
-    chosen = pick.selectbox("Method", names, index=names.index(wanted) if wanted in names else 0, key="kept_method")
+    chosen = pick.selectbox("Method", names, index=index_of(names, wanted), key="kept_method")
     result = with_ledger[names.index(chosen)]
     layer = layer_col.slider("Layer", 0, card.layers - 1, min(card.layers - 1, query_value("layer", 0)),
                              key="kept_layer")

@@ -4,12 +4,13 @@ import json
 
 import streamlit as st
 
+from kvviz.methods import budget_spec
 from kvviz.runs import NeedleRequest
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.queue import run_request
-from kvviz_app.url import query_value, share_settings
-from kvviz_app.widgets import budget_spec, method_configurator
+from kvviz_app.url import index_of, query_value, share_settings
+from kvviz_app.widgets import method_configurator
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 DEPTHS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
@@ -41,8 +42,7 @@ with st.sidebar:
     trials = st.number_input("Trials per cell (different keys and filler)", 1, 5, query_value("trials", 1),
                              key="trials")
     modes = ["query_aware", "query_agnostic"]
-    mode = st.radio("Mode", modes, index=modes.index(query_value("mode", "query_aware", str))
-                    if query_value("mode", "query_aware", str) in modes else 0, key="mode",
+    mode = st.radio("Mode", modes, index=index_of(modes, query_value("mode", "query_aware", str)), key="mode",
                     help="query_aware compresses the prompt with the question in it; query_agnostic compresses the "
                          "context alone and asks afterwards (a cache reused for many questions).")
     chat = st.toggle("Chat template", query_value("chat", True), key="chat")

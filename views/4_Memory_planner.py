@@ -10,7 +10,7 @@ from kvviz.quality.needle import build_needle_prompt
 from kvviz_app import plots
 from kvviz_app.chrome import model_picker, page_header
 from kvviz_app.queue import run_comparison
-from kvviz_app.url import query_value, share_settings
+from kvviz_app.url import index_of, query_value, share_settings
 from kvviz_app.widgets import methods_of
 
 page_header("Memory planner", "Memory planner",
@@ -26,7 +26,7 @@ wanted_gpu = query_value("gpu", "NVIDIA A100 (80 GB)", str)
 
 left, right = st.columns([1, 2])
 with left:
-    name = st.selectbox("Model", names, index=names.index(wanted_model) if wanted_model in names else 0,
+    name = st.selectbox("Model", names, index=index_of(names, wanted_model),
                         key="model_config")
     card = catalog.card(name)
     contexts = catalog.contexts(name)
@@ -35,7 +35,7 @@ with left:
                                key="context", help=f"Up to the {catalog.context(name):,} tokens {name} publishes. "
                                + catalog.models[name].get("context_note", ""))
     batch = st.number_input("Concurrent sequences (batch)", 1, 4096, query_value("batch", 8), key="batch")
-    gpu = st.selectbox("GPU", gpus, index=gpus.index(wanted_gpu) if wanted_gpu in gpus else 0, key="gpu")
+    gpu = st.selectbox("GPU", gpus, index=index_of(gpus, wanted_gpu), key="gpu")
     weight_bits = st.select_slider("Weight bits", [4, 8, 16], value=query_value("wbits", 16) if query_value(
         "wbits", 16) in (4, 8, 16) else 16, key="wbits")
     utilization = st.slider("Usable share of GPU memory", 0.5, 1.0, query_value("util", 0.9), 0.05, key="util",
@@ -43,8 +43,7 @@ with left:
 
     st.markdown("**Eviction**")
     budget_kind = st.radio("Budget", ["keep all", "tokens", "ratio"], horizontal=True,
-                           index=["keep all", "tokens", "ratio"].index(query_value("evict", "keep all", str))
-                           if query_value("evict", "keep all", str) in ("keep all", "tokens", "ratio") else 0,
+                           index=index_of(["keep all", "tokens", "ratio"], query_value("evict", "keep all", str)),
                            key="evict")
     budget = None
     if budget_kind == "tokens":

@@ -5,16 +5,17 @@ import json
 import pandas as pd
 import streamlit as st
 
+from kvviz.methods import budget_spec
 from kvviz.quality.tail import MAX_HOPS, MODES, PROTECT, TASKS
 from kvviz.runs import TailRequest
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import token_texts
 from kvviz_app.queue import run_request
-from kvviz_app.url import query_value, share_settings
-from kvviz_app.widgets import budget_spec, method_configurator
+from kvviz_app.url import index_of, query_value, share_settings
+from kvviz_app.widgets import method_configurator
 
-LENGTHS = [128, 256, 384, 512, 1024, 2048]
+LENGTHS = [192, 256, 384, 512, 1024, 2048]  # multikey and multivalue need more than 128 tokens
 DEPTHS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9]
 MAX_CONFIGS = 4
 
@@ -47,7 +48,7 @@ with st.sidebar:
     hops = st.multiselect("vartrack hops (k)", hop_options, url_list("hops", [1, 2], hop_options, int),
                           key="tail_hops", help="A chain of k assignments; k=1 is a single needle.")
     mode_default = query_value("mode", "query_aware", str)
-    mode = st.radio("Mode", list(MODES), index=list(MODES).index(mode_default) if mode_default in MODES else 0,
+    mode = st.radio("Mode", list(MODES), index=index_of(MODES, mode_default),
                     key="tail_mode", help="query_aware compresses the prompt with the question in it; query_agnostic "
                                           "compresses the context alone and asks afterwards.")
     protect = st.multiselect("Also run each eviction method protecting", list(PROTECT),

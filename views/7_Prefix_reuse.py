@@ -17,7 +17,7 @@ from kvviz.runs import ContextCostRequest, PrefixSharingRequest, PrefixTurnsRequ
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.queue import run_request
-from kvviz_app.url import query_value, share_settings
+from kvviz_app.url import index_of, query_value, share_settings
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 EDITS = {"timestamp": "insert a timestamp line", "reorder": "swap two lines"}
@@ -34,8 +34,7 @@ with st.sidebar:
     block_tokens = st.number_input("Tokens per block", 4, 64, query_value("block", 16), key="prefix_block")
     st.subheader("Byte stability")
     edit = st.radio("Edit to the preamble", list(EDITS), format_func=EDITS.get, key="prefix_edit",
-                    index=list(EDITS).index(query_value("edit", "timestamp", str))
-                    if query_value("edit", "timestamp", str) in EDITS else 0)
+                    index=index_of(list(EDITS), query_value("edit", "timestamp", str)))
     edit_line = st.number_input("After line", 0, 200, query_value("line", 1), key="prefix_line",
                                 help="0 is the first line of the preamble; later lines keep more blocks.")
     st.subheader("Eviction vs reuse")

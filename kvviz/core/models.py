@@ -214,6 +214,11 @@ class LoadedModel:
     def config(self):
         return self.model.config
 
+    @property
+    def context_length(self) -> int:
+        """The model's context window in tokens (``max_position_embeddings``); 0 when its config does not say."""
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0)
+
 
 def _quantization_config(weights: str, dtype: torch.dtype):
     if weights == "auto":

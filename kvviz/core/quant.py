@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import torch
 
 SCALE_DTYPE = torch.float16
+GROUP_METADATA_BITS = 32  # what each group stores besides its codes: one fp16 scale and one fp16 zero point
 _TINY_SCALE = 2.0**-14  # smallest normal fp16: keeps constant groups from dividing by zero
+
+
+def bits_with_metadata(bits: float, group: float) -> float:
+    """Bits per element once each ``group`` elements' scale and zero point are shared out among them."""
+    return bits + GROUP_METADATA_BITS / group
 
 
 def packed_width(count: int, bits: int) -> int:

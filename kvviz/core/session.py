@@ -33,6 +33,13 @@ class PromptError(ValueError):
     """A prompt that cannot be run, with a message meant for the user."""
 
 
+def check_context(loaded: LoadedModel, tokens: int, room: int = 1, what: str = "the prompt") -> None:
+    """PromptError unless ``tokens`` plus ``room`` more (positions still to come) fit in the model's context."""
+    context = loaded.context_length
+    if context and tokens + room > context:
+        raise PromptError(f"{what} has {tokens} tokens; this model's context is {context}")
+
+
 def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
     """Token ids of a prompt; ``chat`` wraps it as one user turn in the model's chat template."""
     if not text or not text.strip():
@@ -75,9 +82,7 @@ class PromptSession:
         """``reuse_prefix``: prefill through the model's prefix cache when the capture allows (kvviz.core.prefix)."""
         if not prompt_ids:
             raise PromptError("the prompt is empty")
-        context = getattr(loaded.config, "max_position_embeddings", None)
-        if context and len(prompt_ids) >= context:
-            raise PromptError(f"the prompt has {len(prompt_ids)} tokens; this model's context is {context}")
+        check_context(loaded, len(prompt_ids))
         self.loaded = loaded
         self.prompt_ids = prompt_ids
         self.card = model_card(loaded)

@@ -19,6 +19,7 @@ from kvviz.methods.base import (
     QuantizationMethod,
     ScoringEviction,
     SpecError,
+    budget_spec,
     parse_spec,
     register,
 )
@@ -41,5 +42,6 @@ __all__ = [
     "ScoringEviction",
     "SpecError",
     "parse_spec",
+    "budget_spec",
     "register",
 ]

@@ -330,6 +330,17 @@ class EvictionMethod(Method):
         """Tokens kept per head at steady state, for the memory formula; None when unbounded."""
         return None
 
+    @classmethod
+    def at_budget(cls, tokens: int, prompt_length: int | None = None) -> EvictionMethod | None:
+        """This method set to keep about ``tokens`` entries per head of a ``prompt_length``-token prompt (for sweeps
+        and page defaults): ``tokens`` split over its Budget parameters. None when it cannot be sized that way."""
+        budgets = [p.name for p in cls.params if p.type is Budget]
+        if not budgets:
+            return None
+        shares = [tokens // len(budgets)] * len(budgets)
+        shares[-1] += tokens - sum(shares)
+        return cls(**{name: max(1, share) for name, share in zip(budgets, shares, strict=True)})
+
     def check_context(self, prompt_length: int) -> None:
         """Raise SpecError when the parameters cannot work on a prompt of this length."""
 
@@ -373,16 +384,21 @@ class ScoringEviction(EvictionMethod):
         return topk_keep(scores().to(view.positions.device).expand(batch, heads, length), count,
                          self.always_kept(view))
 
-def mask_to_indices(keep_mask: torch.Tensor) -> torch.Tensor | None:
-    """Indices of True entries in ``keep_mask`` [B, H, T] (same count per head), or None when all are kept."""
-    if bool(keep_mask.all()):
-        return None
-    batch, heads, length = keep_mask.shape
-    count = int(keep_mask[0, 0].sum())
-    order = torch.arange(length, device=keep_mask.device).expand(batch, heads, length)
-    ranked = torch.where(keep_mask, order, order + length)
-    return ranked.sort(dim=-1).values[..., :count]
 
+def budget_spec(name: str, tokens: int, prompt_length: int | None = None, **overrides: Any) -> str | None:
+    """The SPEC of eviction method ``name`` keeping about ``tokens`` entries per head (its ``at_budget``), with
+    ``overrides`` applied; None when the method is not registered, cannot be sized so, or rejects the values."""
+    method = REGISTRY.get(name)
+    if method is None or method.kind != "eviction":
+        return None
+    try:
+        sized = method.at_budget(tokens, prompt_length)
+        if sized is None:
+            return None
+        return (type(sized)(**({p.name: getattr(sized, p.name) for p in sized.params} | overrides)).spec()
+                if overrides else sized.spec())
+    except SpecError:
+        return None
 
 def per_kv_head(per_query_head: torch.Tensor, kv_heads: int, mean: bool = False) -> torch.Tensor:
     """Fold [B, H_q, T] scores over the query heads that share each KV head (GQA): [B, H_kv, T]."""

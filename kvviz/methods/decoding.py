@@ -34,6 +34,11 @@ class Decoding(EvictionMethod):
               min=1, max=1 << 24),
     )
 
+    @classmethod
+    def at_budget(cls, tokens: int, prompt_length: int | None = None) -> Decoding:
+        """Back to ``tokens`` entries every 4 generated steps."""
+        return cls(target=tokens, every=4)
+
     def new_state(self, layer_idx: int) -> dict:
         return {"steps": 0}
 

@@ -15,10 +15,10 @@ import importlib.util
 
 import torch
 
+from kvviz.core.quant import bits_with_metadata
 from kvviz.core.storage import KVStorage, StorageBytes, tensor_bytes
 from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
 
-SCALE_BITS = 16  # per scale and zero at 16-bit compute dtype (nbytes counts what the backend really holds)
 BACKENDS = {"quanto": ("optimum.quanto", "optimum-quanto", (2, 4)), "hqq": ("hqq", "hqq", (1, 2, 3, 4, 8))}
 
 
@@ -116,5 +116,5 @@ class HFQuantized(QuantizationMethod):
                                               residual_length=self.residual))
 
     def bits_per_element(self, head_dim: int) -> float:
-        return self.nbits + 2 * SCALE_BITS / self.group
+        return bits_with_metadata(self.nbits, self.group)  # scale and zero at 16-bit compute dtype
 

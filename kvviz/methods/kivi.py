@@ -23,6 +23,7 @@ import torch
 
 from kvviz.core.quant import (
     Quantized,
+    bits_with_metadata,
     channel_groups,
     dequantize_per_channel,
     dequantize_per_token,
@@ -31,8 +32,6 @@ from kvviz.core.quant import (
 )
 from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
-
-SCALE_BITS = 16  # one fp16 scale or zero point
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -173,9 +172,9 @@ class GroupQuantMethod(QuantizationMethod):
         return GroupQuantStorage(self.bits, self.group, self.residual, self.keys_per_channel)
 
     def bits_per_element(self, head_dim: int) -> float:
-        per_token_meta = 2 * SCALE_BITS * len(set(channel_groups(head_dim, self.group).tolist())) / head_dim
-        key_meta = 2 * SCALE_BITS / self.group if self.keys_per_channel else per_token_meta
-        return self.bits + (key_meta + per_token_meta) / 2
+        per_token = bits_with_metadata(self.bits, head_dim / len(set(channel_groups(head_dim, self.group).tolist())))
+        keys = bits_with_metadata(self.bits, self.group) if self.keys_per_channel else per_token
+        return (keys + per_token) / 2
 
     def check_stack(self, stack: MethodStack) -> None:
         refuse_rerotation(self, stack)

@@ -8,6 +8,8 @@ its filters download from the Hugging Face hub per model.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from kvviz.methods.base import LayerView, Param, ScoringEviction, SpecError, register
@@ -41,6 +43,12 @@ class _AttentionModule:
         return getattr(self._module, name)
 
 
+def removed_share(tokens: int, prompt_length: int) -> str:
+    """The compression ratio (share removed) that keeps ``tokens`` of a ``prompt_length``-token prompt, as a SPEC
+    value."""
+    return f"{max(0.0, 1 - tokens / prompt_length):.4f}"
+
+
 def kept_count(length: int, ratio: float) -> int:
     """Entries kvpress keeps for ``ratio`` (at least one)."""
     return max(1, int(length * (1 - ratio)))
@@ -52,6 +60,7 @@ class KVPressScorer(ScoringEviction):
     summary = ("A kvpress ScorerPress (its own scoring function, its default settings) compresses the prompt once; "
                "kvviz keeps the top-scoring entries per KV head and records the rest in the ledger.")
     compresses_prompt_only = True
+    ratio_param: ClassVar[str] = "ratio"  # the parameter holding the share removed (per_layer: ratios)
     params = (
         Param("press", str, "snapkv", "kvpress scorer", choices=tuple(PRESSES)),
         Param("ratio", float, 0.5, "compression ratio: share of the prompt's entries removed", min=0, max=0.99),
@@ -83,6 +92,14 @@ class KVPressScorer(ScoringEviction):
 
     def keep_count(self, view: LayerView, stats=None) -> int:
         return self.layer_kept(view.positions.shape[-1], view.layer_idx, stats)
+
+    @classmethod
+    def at_budget(cls, tokens: int, prompt_length: int | None = None) -> KVPressScorer | None:
+        """The ratio that keeps ``tokens`` of the prompt, scored by knorm (it reads no observation window, so any
+        budget works); None without a prompt length."""
+        if not prompt_length:
+            return None
+        return cls(press="knorm", **{cls.ratio_param: removed_share(tokens, prompt_length)})
 
     def layer_kept(self, length: int, layer_idx: int, stats) -> int:
         """Entries each head of layer ``layer_idx`` keeps out of ``length``: the same in every layer here; the

@@ -28,6 +28,7 @@ class PerLayer(KVPressScorer):
     name = "per_layer"
     summary = ("User-given per-layer budgets: a compression ratio per layer ('/'-separated, interpolated when fewer "
                "than the layers); each layer keeps its top entries per KV head under a kvpress scorer.")
+    ratio_param = "ratios"
     params = (
         Param("press", str, "snapkv", "kvpress scorer ranking the entries within a layer", choices=tuple(PRESSES)),
         Param("ratios", str, "0.2/0.8", "share of the prompt removed per layer, first to last, '/'-separated",),

@@ -45,6 +45,14 @@ class PyramidKV(KVPressScorer):
               "every layer's budget", min=1, max=8192),
     )
 
+    @classmethod
+    def at_budget(cls, tokens: int, prompt_length: int | None = None) -> PyramidKV | None:
+        """As the other kvpress wrappers, with the window halved to fit below the budget when the default does not."""
+        sized = super().at_budget(tokens, prompt_length)
+        if sized is None or sized.window < tokens:
+            return sized
+        return cls(press=sized.press, ratio=sized.ratio, window=max(1, tokens // 2))
+
     def _press(self, state: dict):
         if "press" not in state:
             import kvpress

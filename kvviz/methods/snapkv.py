@@ -67,3 +67,9 @@ class SnapKV(ScoringEviction):
 
     def budget_for(self, prompt_length: int) -> int:
         return min(prompt_length, self.budget.tokens(prompt_length))
+
+    @classmethod
+    def at_budget(cls, tokens: int, prompt_length: int | None = None) -> SnapKV:
+        """The budget, with the observation window halved to fit when the default would not leave room."""
+        window = next(p.default for p in cls.params if p.name == "window")
+        return cls(budget=tokens, window=window if window < tokens else max(1, tokens // 2))

@@ -31,3 +31,8 @@ class StreamingLLM(EvictionMethod):
 
     def budget_for(self, prompt_length: int) -> int:
         return self.sinks + self.window.tokens(prompt_length)
+
+    @classmethod
+    def at_budget(cls, tokens: int, prompt_length: int | None = None) -> StreamingLLM:
+        """Four sinks and the rest a recent window."""
+        return cls(sinks=4, window=max(1, tokens - 4))

@@ -16,12 +16,6 @@ from dataclasses import asdict, dataclass
 import torch
 
 
-def kv_formula_bytes(layers: int, kv_heads: int, head_dim: int, seq_len: int, batch: int = 1,
-                     bytes_per_element: float = 2) -> int:
-    """The textbook KV-cache size for a standard (MHA/GQA/MQA) attention stack."""
-    return int(2 * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element)
-
-
 def attention_kind(q_heads: int, kv_heads: int, is_mla: bool = False) -> str:
     if is_mla:
         return "MLA"

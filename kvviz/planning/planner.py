@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvviz.core.quant import bits_with_metadata
 from kvviz.planning.memory import ModelCard, card_from_config
 
 CATALOG_PATH = Path(__file__).resolve().parents[2] / "assets" / "model_configs.json"
 GB = 1e9
-METADATA_BITS_PER_GROUP = 32  # one fp16 scale and one fp16 zero point per quantization group
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def effective_bits(kv_bits: float, group_size: int) -> float:
     """Bits per element including each group's scale and zero point."""
     if kv_bits >= 16 or group_size <= 0:
         return float(kv_bits)
-    return kv_bits + METADATA_BITS_PER_GROUP / group_size
+    return bits_with_metadata(kv_bits, group_size)
 
 
 def kv_bytes_per_sequence(card: ModelCard, plan: Plan) -> int:

