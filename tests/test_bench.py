@@ -14,7 +14,7 @@ from kvviz.cli import main
 from kvviz.core import capture
 from kvviz.core.capture import CaptureConfig, StatsRecorder, listening
 from kvviz.core.session import PromptSession, capture_for
-from kvviz.methods import parse_spec
+from kvviz.methods import REGISTRY, parse_spec
 
 
 def test_quick_bench_reports_every_section(real_model):
@@ -72,7 +72,7 @@ def test_cli_bench_refuses_unknown_sections(capsys):
 def test_forked_comparison_gives_the_same_tokens_as_independent_runs(tiny_model, story_ids):
     ids = story_ids[:60]
     specs = ["full", *bench.eviction_specs(16, len(ids))]
-    if "kivi" in bench.REGISTRY:
+    if "kivi" in REGISTRY:
         specs.append("kivi:bits=2,group=8,residual=8")
     stacks = [parse_spec(s) for s in specs]
     shared = PromptSession(tiny_model, ids)
