@@ -336,7 +336,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from kvviz import bench
 
     sections = tuple(args.sections.split(",")) if args.sections else bench.SECTIONS
-    unknown = [s for s in sections if s not in bench.RUNNERS]
+    unknown = [s for s in sections if s not in bench.SECTIONS]
     if unknown:
         raise UsageError(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(bench.SECTIONS)}")
     preset = "quick" if args.quick else args.preset

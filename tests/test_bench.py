@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvviz import bench
@@ -14,7 +15,7 @@ from kvviz.cli import main
 from kvviz.core import capture
 from kvviz.core.capture import CaptureConfig, StatsRecorder, listening
 from kvviz.core.session import PromptSession, capture_for
-from kvviz.methods import parse_spec
+from kvviz.methods import REGISTRY, parse_spec
 
 
 def test_quick_bench_reports_every_section(real_model):
@@ -69,10 +70,29 @@ def test_cli_bench_refuses_unknown_sections(capsys):
     assert "unknown section" in capsys.readouterr().err
 
 
+def test_sections_run_in_registry_order_and_reuse_each_others_measurements():
+    """Asked in any order, sections run in the registry's; kivi times its step against decode_large_cache's own
+    ``full`` step (one measurement per run), and kv_bytes alone measures the shared forks itself."""
+    loaded = bench.random_model("tiny", "cpu")
+    report = bench.run_bench(loaded, "quick", ("kivi", "kv_bytes", "decode_large_cache"))
+    assert [s.name for s in report.sections] == ["kv_bytes", "decode_large_cache", "kivi"]
+    assert not [s.skipped for s in report.sections if s.skipped]
+    by_name = {s.name: {f.name: f for f in s.figures} for s in report.sections}
+    full_ms = by_name["decode_large_cache"]["full_step_ms"].value
+    kivi_baseline_ms = float(by_name["kivi"]["decode_step_vs_full"].note.split(" vs ")[1].removesuffix(" ms"))
+    assert kivi_baseline_ms == pytest.approx(full_ms, abs=0.051)
+    assert by_name["kv_bytes"]["worst"].passed
+
+
+def test_run_bench_refuses_unknown_sections():
+    with pytest.raises(ValueError, match="unknown bench section"):
+        bench.run_bench(bench.random_model("tiny", "cpu"), "quick", ("kv_bytes", "nope"))
+
+
 def test_forked_comparison_gives_the_same_tokens_as_independent_runs(tiny_model, story_ids):
     ids = story_ids[:60]
     specs = ["full", *bench.eviction_specs(16, len(ids))]
-    if "kivi" in bench.REGISTRY:
+    if "kivi" in REGISTRY:
         specs.append("kivi:bits=2,group=8,residual=8")
     stacks = [parse_spec(s) for s in specs]
     shared = PromptSession(tiny_model, ids)

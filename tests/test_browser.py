@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.bench_app import served_app
+from kvviz.bench.browser import served_app
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "docs" / "screenshots"

@@ -1,4 +1,4 @@
-"""The served app timed against its own engine, in headless chromium (the ``app`` section of ``python -m kvviz bench``).
+"""The served app timed against its own engine, in headless chromium.
 
 What a student feels: the app is started as ``make run`` starts it (its own process, the baked config, an empty
 result store), Compare is driven through the real page (URL settings, file upload, the Run button) and timed from
@@ -8,101 +8,28 @@ Then the same result opened again from a new browser session (cached), and every
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.parse
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
+from kvviz.bench.browser import CHROMIUM_ARGS, chromium_path, served_app, settle
+from kvviz.bench.harness import BenchRun, Section, bench_section
+from kvviz.bench.workloads import prompt_tokens
 from kvviz.core.models import LoadedModel
 from kvviz.core.session import compare, encode_prompt
 
-ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 # the issue's comparison: six configurations on a 2K-token upload
 APP_SPECS = ("full", "streaming_llm:sinks=4,window=252", "snapkv:budget=256", "h2o:heavy=128,recent=128",
              "kivi:bits=2", "snapkv:budget=256+kivi:bits=2")
 
 
-def chromium_path() -> str | None:
-    """Debian's chromium (``make browser`` installs it), or None."""
-    return shutil.which("chromium") or (None if not Path("/usr/bin/chromium").exists() else "/usr/bin/chromium")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class ServedApp:
-    """A running ``streamlit run app.py``: where to reach it and its process id (for checks on the process)."""
-
-    url: str
-    pid: int
-
-
-@contextlib.contextmanager
-def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[ServedApp]:
-    """``streamlit run app.py`` as ``make run`` serves it (the baked .streamlit/config.toml), on a free loopback
-    port, until the block ends (the browser tests and the bench's app section both use it)."""
-    port = _free_port()
-    with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
-             "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + startup
-            while True:
-                try:
-                    if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
-                        break
-                except OSError:
-                    if process.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError(f"streamlit did not start; see {log_path}") from None
-                    time.sleep(0.5)
-            yield ServedApp(url, process.pid)
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-
-
-def settle(page, timeout: float = 600) -> None:
-    """Wait until the page's script run finished (Streamlit's running indicator is gone)."""
-    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
-    deadline = time.monotonic() + timeout
-    page.wait_for_timeout(300)
-    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
-        page.wait_for_timeout(100)
-
-
 def upload_prompt_text(loaded: LoadedModel, tokens: int) -> str:
     """Hamlet (or kvviz's filler) cut so the chat-wrapped prompt is about ``tokens`` tokens, ending with a question."""
-    from kvviz.bench import prompt_tokens
-
     question = "\n\nIn one sentence, what happens in the passage above?"
     body = prompt_tokens(loaded, tokens)
-    text = loaded.tokenizer.decode(body[: max(8, tokens - 40)], skip_special_tokens=True) + question
-    return text
+    return loaded.tokenizer.decode(body[: max(8, tokens - 40)], skip_special_tokens=True) + question
 
 
 def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeout: float) -> float:
@@ -121,35 +48,67 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     return seconds
 
 
-def _lesson_in_browser(page, base: str, step: int, timeout: float) -> float | None:
-    """Open a lesson step, press its run button; seconds from the click until the page settled (None: no button)."""
+# A step's run is on screen once its closing text is: the "Notice:" box (steps 1-5) or the closing caption (step 6).
+LESSON_DONE = ("Notice:", "The pass key is")
+
+
+def _lesson_in_browser(page, base: str, step: int, timeout: float) -> float:
+    """Open a lesson step, press its run button; seconds from the click until the step's closing text is shown.
+
+    Waits for the button itself rather than for the page to settle: a warm server renders the page after the running
+    indicator was checked, so a settle-then-look finds no button."""
     page.goto(f"{base}/Lessons?step={step}", timeout=timeout * 1000)
-    page.get_by_text("Lessons").first.wait_for(timeout=timeout * 1000)
-    settle(page, timeout)
-    buttons = page.locator('[data-testid="stBaseButton-primary"]')
-    if not buttons.count():
-        return None
+    button = page.locator('[data-testid="stBaseButton-primary"]').first
+    button.wait_for(timeout=timeout * 1000)
     started = time.perf_counter()
-    buttons.first.click()
-    page.wait_for_timeout(200)
-    settle(page, timeout)
+    button.click()
+    done = page.locator('[data-testid="stException"]')
+    for text in LESSON_DONE:
+        done = done.or_(page.get_by_text(text))
+    done.first.wait_for(timeout=timeout * 1000)
+    seconds = time.perf_counter() - started
     if page.locator('[data-testid="stException"]').count():
         raise RuntimeError(f"lesson step {step} raised: {page.inner_text('body')[:300]}")
-    return time.perf_counter() - started
+    settle(page, timeout)
+    return seconds
 
 
 def lesson_steps(base: str, page, timeout: float) -> int:
-    """How many steps the Lessons page offers (its step radio)."""
+    """How many steps the Lessons page offers (the options of its step radio), 0 when no radio shows up in time."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     page.goto(f"{base}/Lessons", timeout=timeout * 1000)
-    page.get_by_text("Lessons").first.wait_for(timeout=timeout * 1000)
-    settle(page, timeout)
-    return page.locator('[data-testid="stRadio"]').first.locator('input[type="radio"]').count()
+    radios = page.locator('[data-testid="stRadio"]').first.get_by_role("radio")
+    try:
+        radios.first.wait_for(state="attached", timeout=timeout * 1000)
+    except PlaywrightTimeout:
+        return 0
+    return radios.count()
 
 
-def section_app(loaded: LoadedModel, sizes, log, state: dict):
-    """The ``app`` section: served app vs engine on the issue's comparison, cached re-render, lessons cold/warm."""
-    from kvviz.bench import Section
+def _time_lessons(section: Section, browser, base: str, timeout: float, log) -> None:
+    """Every lesson step cold (its run computed) and warm (the stored result, from a new session), each a figure;
+    a step that fails or times out is a failing figure, and finding no steps at all is one too."""
+    from playwright.sync_api import Error as PlaywrightError
 
+    steps = lesson_steps(base, browser.new_page(), min(timeout, 300))
+    section.add("lesson_steps", steps, target=">= 1", note="" if steps else "no step radio on the Lessons page")
+    for step in range(1, steps + 1):
+        log(f"  lesson step {step}: cold, then warm")
+        try:
+            cold = _lesson_in_browser(browser.new_page(), base, step, timeout)
+            warm = _lesson_in_browser(browser.new_page(), base, step, timeout)
+        except (PlaywrightError, RuntimeError) as error:
+            section.add(f"lesson_{step}_ran", False, target="== True", note=str(error).splitlines()[0][:200])
+            continue
+        section.add(f"lesson_{step}_cold", cold, "s", note="the step's run computed")
+        section.add(f"lesson_{step}_warm", warm, "s", "<= 2", note="the stored result, from a new session")
+
+
+@bench_section("app")
+def app(run: BenchRun) -> Section:
+    """Served app vs engine on the issue's comparison, cached re-render, lessons cold/warm."""
+    loaded, sizes, log = run.loaded, run.sizes, run.log
     section = Section("app", "the served app in headless chromium vs its engine")
     chromium = chromium_path()
     if loaded.tokenizer is None or loaded.name.startswith("random:"):
@@ -200,15 +159,7 @@ def section_app(loaded: LoadedModel, sizes, log, state: dict):
                                  f"{len(ids)} prompt tokens, {sizes.app_tokens} new tokens")
                 section.add("cached_rerender", cached, "s", "<= 2")
                 if sizes.app_lessons:
-                    steps = lesson_steps(base, browser.new_page(), timeout)
-                    for step in range(1, steps + 1):
-                        log(f"  lesson step {step}: cold, then warm")
-                        cold = _lesson_in_browser(browser.new_page(), base, step, timeout)
-                        if cold is None:
-                            continue
-                        warm = _lesson_in_browser(browser.new_page(), base, step, timeout)
-                        section.add(f"lesson_{step}_cold", cold, "s")
-                        section.add(f"lesson_{step}_warm", warm, "s", "<= 2")
+                    _time_lessons(section, browser, base, timeout, log)
             finally:
                 browser.close()
     return section

