@@ -5,11 +5,10 @@ method leaving the batch alone."""
 import pytest
 import torch
 
-from kvviz import bench
 from kvviz.core import batch
 from kvviz.core.replay import Sampling
 from kvviz.core.session import compare
-from kvviz.methods import REGISTRY
+from kvviz.methods import REGISTRY, budget_spec
 from kvviz.methods.h2o import H2O
 from kvviz.methods.window import Window
 
@@ -44,7 +43,7 @@ def both(loaded, ids, specs, tokens, **kwargs):
 
 def small_budget_specs(budget: int, prompt: int) -> list[str]:
     """One SPEC per registered eviction method, squeezed to ``budget`` tokens so outputs part from full's."""
-    return [bench.budget_spec(name, budget, prompt) for name in EVICTIONS if name != "full"]
+    return [budget_spec(name, budget, prompt) for name in EVICTIONS if name != "full"]
 
 
 def test_batched_rows_equal_sequential_rows_for_every_eviction_method(tiny_model, story_ids):

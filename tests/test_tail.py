@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from kvviz import bench
 from kvviz.core.ledger import KEPT, EvictionLedger
 from kvviz.core.protect import with_protected
 from kvviz.core.session import PromptSession
 from kvviz.core.storage import KeptRanges
-from kvviz.methods import REGISTRY, SpecError, parse_spec
+from kvviz.methods import REGISTRY, SpecError, budget_spec, parse_spec
 from kvviz.quality.tail import (
     MAX_HOPS,
     TASKS,
@@ -122,7 +121,7 @@ def test_attribution_matches_the_ledger_on_a_constructed_eviction(real_model):
 
 def _small_spec(name: str) -> str:
     """A SPEC for eviction method ``name`` that must evict on a 64-token prompt (about 12 tokens kept)."""
-    return bench.budget_spec(name, 12, 64)
+    return budget_spec(name, 12, 64)
 
 
 UNPROTECTABLE = {"adakv", "merge"}  # per-head counts / merged entries: protection is refused, with a message

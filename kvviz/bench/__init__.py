@@ -26,13 +26,12 @@ from kvviz.bench.harness import (
     threads,
     with_lengths,
 )
-from kvviz.bench.specs import EVICTIONS, KIVI, batched_specs, budget_spec, comparison_specs, eviction_specs
+from kvviz.bench.specs import KIVI, batched_specs, comparison_specs, eviction_specs, evictions
 from kvviz.bench.workloads import PRESETS, prompt_tokens, random_model
 
 SECTIONS: tuple[str, ...] = tuple(RUNNERS)
 
 __all__ = [
-    "EVICTIONS",
     "KIVI",
     "PRESETS",
     "RUNNERS",
@@ -46,9 +45,9 @@ __all__ = [
     "Sizes",
     "batched_specs",
     "bench_section",
-    "budget_spec",
     "comparison_specs",
     "eviction_specs",
+    "evictions",
     "prompt_tokens",
     "random_model",
     "run_bench",

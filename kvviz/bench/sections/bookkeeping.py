@@ -7,9 +7,9 @@ import statistics
 import torch
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
-from kvviz.bench.specs import budget_spec
 from kvviz.bench.workloads import decode_step, fit, prompt_tokens
 from kvviz.core.session import PromptSession
+from kvviz.methods import budget_spec
 
 
 @bench_section("bookkeeping")

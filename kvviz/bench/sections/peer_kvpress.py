@@ -6,10 +6,9 @@ import torch
 from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
-from kvviz.bench.specs import budget_spec
 from kvviz.bench.workloads import fit, prompt_tokens
 from kvviz.core.session import PromptSession, capture_for
-from kvviz.methods import REGISTRY, parse_spec
+from kvviz.methods import REGISTRY, budget_spec, parse_spec
 
 
 @bench_section("peer_kvpress")

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from kvviz.bench.harness import BenchRun, Section, bench_section
-from kvviz.bench.specs import KIVI, budget_spec
+from kvviz.bench.specs import KIVI
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.methods import REGISTRY
+from kvviz.methods import REGISTRY, budget_spec
 from kvviz.quality.perplexity import streaming_perplexity
 
 
