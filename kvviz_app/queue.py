@@ -52,10 +52,14 @@ def through_queue(user: str, job: Callable[[Callable[[float, str], None]], T],
     queue = run_queue()
     ticket = queue.submit(user, job)
     _active[user] = ticket
+    shown = None
     try:
         while not ticket.done.wait(0.2):
             ticket.touch()
-            progress(ticket.fraction, queue_message(queue.ahead(ticket), ticket))
+            state = (round(ticket.fraction, 2), queue_message(queue.ahead(ticket), ticket))
+            if state != shown:  # each update is a message to the browser and a repaint there: send changes only
+                progress(*state)
+                shown = state
     finally:
         if not ticket.finished:
             ticket.cancel()  # interrupted (rerun or closed page): nobody will read this result
