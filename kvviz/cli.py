@@ -246,18 +246,18 @@ def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
 def cmd_axes(args: argparse.Namespace) -> int:
     """Each axis alone at one budget, then stacked: quality vs bytes on a needle prompt, as a Markdown table."""
     from kvviz.planning.memory import model_card
-    from kvviz.quality.three_axes import budget_specs, run_axes
+    from kvviz.quality.three_axes import axes_specs, run_axes
 
-    for spec in args.method or []:
+    for spec in [*(args.method or []), *(args.also or [])]:
         parse_spec(spec)
-    if not 0 < args.budget < 1:
-        raise UsageError(f"bad --budget {args.budget}: a share of the full cache in (0, 1)")
+    budgets = args.budget or [1 / 3]
+    for budget in budgets:
+        if not 0 < budget < 1:
+            raise UsageError(f"bad --budget {budget}: a share of the full cache in (0, 1)")
+    if args.method and args.also:
+        raise UsageError("--also adds SPECs to the budgets' ones; with --method, list them all with --method")
     loaded = _load(args)
-    specs = args.method
-    if not specs:
-        axis = budget_specs(model_card(loaded), args.budget)
-        heads, latent, tokens, bits = axis["heads"], axis["latent"], axis["tokens"], axis["bits"]
-        specs = [*axis.values(), f"{latent}+{tokens}", f"{heads}+{tokens}+{bits}", f"{latent}+{tokens}+{bits}"]
+    specs = args.method or axes_specs(model_card(loaded), budgets, args.also)
     progress = _stderr_progress() if not args.quiet else None
     rows, key = run_axes(loaded, specs, args.length, args.depth, args.max_new_tokens, progress)
     if args.json:
@@ -469,8 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     axes = commands.add_parser("axes", help="one budget spent on heads, tokens or bits, alone and stacked")
     _add_model_options(axes)
-    axes.add_argument("--budget", type=float, default=1 / 3, help="share of the full cache per axis (default 1/3)")
-    axes.add_argument("--method", action="append", metavar="SPEC", help="SPECs instead of the budget's (repeat)")
+    axes.add_argument("--budget", type=float, action="append",
+                      help="share of the full cache per axis (default 1/3; repeat for several budgets in one table)")
+    axes.add_argument("--method", action="append", metavar="SPEC", help="SPECs instead of the budgets' (repeat)")
+    axes.add_argument("--also", action="append", metavar="SPEC", help="SPECs added after the budgets' (repeat)")
     axes.add_argument("--length", type=int, default=512, help="needle prompt length in tokens (default 512)")
     axes.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
     axes.add_argument("--max-new-tokens", type=int, default=12)
