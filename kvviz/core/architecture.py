@@ -95,28 +95,31 @@ class AxisFactors:
 
 
 def axis_factors(cache, kv_heads: int, head_dim: int, tokens_seen: int, bytes_per_element: int,
-                 full_bytes: int | None = None) -> AxisFactors:
+                 full_bytes: int | None = None, value_dim: int | None = None) -> AxisFactors:
     """The three factors of a finished cache, each from its own axis, next to the bytes it measures.
 
     Architecture from the method's formula, eviction from the entries still cached, quantization from the quantizer's
     bits per element at the stored vector size over the dtype's bits. ``tokens_seen``: tokens that entered the cache.
     The product misses the measured bytes only by what the quantizer holds beyond its formula (a full-precision
-    residual) or below it. ``full_bytes``: what the model's full cache holds (default: the K/V formula).
+    residual) or below it. ``full_bytes``: what the model's full cache holds (default: the K/V formula);
+    ``value_dim``: a cached value's width where it differs from a key's ``head_dim`` (MLA models).
     """
     stack = cache.stack
     layers = len(cache.layers)
     full = full_bytes or 2 * layers * kv_heads * head_dim * tokens_seen * bytes_per_element
-    architecture, stored_dim = 1.0, head_dim
+    value_dim = value_dim or head_dim
+    architecture, stored_key, stored_value = 1.0, head_dim, value_dim
     if stack.architecture is not None:
         architecture = stack.architecture.cache_fraction(kv_heads, head_dim)
-        stored_dim = stack.architecture.stored_dim(kv_heads, head_dim)
+        stored_key = stack.architecture.stored_dim(kv_heads, head_dim)
+        stored_value = stack.architecture.stored_dim(kv_heads, value_dim)
     heads = cache.layers[0].positions.shape[1]
     kept = sum(layer.positions[0].numel() for layer in cache.layers)  # entries over every layer and stored head
     eviction = kept / (layers * heads * tokens_seen)
     quantization = 1.0
     if stack.quantization is not None:
         try:
-            quantization = stack.quantization.bits_per_element(stored_dim) / (8 * bytes_per_element)
+            quantization = stack.quantization.bits_per_element(stored_key, stored_value) / (8 * bytes_per_element)
         except NotImplementedError:  # a backend without a formula: its measured share
             quantization = cache.nbytes().total / (full * architecture * eviction)
     return AxisFactors(full, architecture, eviction, quantization, cache.nbytes().total)

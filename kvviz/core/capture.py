@@ -148,10 +148,11 @@ def _explicit_attention(
     pairs = batch * kv_heads
     grouped = (query * scaling).reshape(pairs, group, q_len, head_dim)  # scaling q is cheaper than scaling scores
     keys_t = key.reshape(pairs, k_len, head_dim).transpose(1, 2)  # [B*Hkv, D, K]
-    values = value.reshape(pairs, k_len, head_dim)
+    value_dim = value.shape[-1]  # MLA models: values narrower than keys
+    values = value.reshape(pairs, k_len, value_dim)
     block = _block_rows(batch * q_heads * k_len * 4, q_len, query.device)
     causal_offset = k_len - q_len  # query i sees keys up to causal_offset + i
-    output = torch.empty(pairs, group, q_len, head_dim, dtype=query.dtype, device=query.device)
+    output = torch.empty(pairs, group, q_len, value_dim, dtype=query.dtype, device=query.device)
     padded: torch.Tensor | None = None
     for start in range(first_query, q_len, block):
         stop = min(q_len, start + block)
@@ -173,7 +174,7 @@ def _explicit_attention(
             grid[..., edge:].masked_fill_(future, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         mixed = torch.bmm(probs.to(value.dtype), values[:, :width])
-        output[:, :, start:stop] = mixed.view(pairs, group, rows, head_dim)
+        output[:, :, start:stop] = mixed.view(pairs, group, rows, value_dim)
         flat = probs.view(batch, q_heads, rows, width)
         for listener in listeners:
             if width == k_len or getattr(listener, "partial_keys", False):
@@ -183,7 +184,7 @@ def _explicit_attention(
                 padded = torch.zeros(batch, q_heads, block, k_len, device=query.device)
             padded[:, :, :rows, :width] = flat  # widths only grow, so the columns past them stay zero
             listener.observe(module.layer_idx, padded[:, :, :rows], start, q_len)
-    return output.view(batch, q_heads, q_len, head_dim).transpose(1, 2).contiguous()
+    return output.view(batch, q_heads, q_len, value_dim).transpose(1, 2).contiguous()
 
 
 def _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs):

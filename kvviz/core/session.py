@@ -169,6 +169,7 @@ class PromptSession:
         fed = suffix_length + max(0, len(trace.token_ids) - 1)  # the last token is never fed
         total_tokens = len(self.prompt_ids) + fed
         breakdown = cache.nbytes()
+        key_dim, value_dim = self.card.cached_dims
         return MethodResult(
             method=stack.label,
             text=self._detokenize(trace.token_ids),
@@ -180,8 +181,8 @@ class PromptSession:
             kv_bytes_per_layer=cache.nbytes_per_layer(),
             seconds=seconds,
             ledger=cache.ledger.trimmed(total_tokens) if cache.ledger is not None else None,
-            axis_factors=axis_factors(cache, self.card.kv_heads, self.card.head_dim, total_tokens,
-                                      self.card.bytes_per_element, self.card.stored_kv_bytes(total_tokens)),
+            axis_factors=axis_factors(cache, self.card.kv_heads, key_dim, total_tokens, self.card.bytes_per_element,
+                                      self.card.stored_kv_bytes(total_tokens), value_dim),
             projection_bytes=sum(layer.storage.weight_bytes() for layer in cache.layers
                                  if isinstance(layer.storage, ArchitectureStorage)),
         )

@@ -430,9 +430,19 @@ class QuantizationMethod(Method):
     def new_storage(self, layer_idx: int):
         raise NotImplementedError
 
-    def bits_per_element(self, head_dim: int) -> float:
-        """Average stored bits per K/V element including metadata, ignoring any full-precision residual."""
+    def bits_per_element(self, head_dim: int, value_dim: int | None = None) -> float:
+        """Average stored bits per K/V element including metadata, ignoring any full-precision residual.
+
+        Over one key of ``head_dim`` and one value of ``value_dim`` elements (default ``head_dim``; MLA models cache
+        keys wider than values), so ``elements * bits_per_element / 8`` is the quantized cache's size.
+        """
         raise NotImplementedError
+
+
+def per_element(key_bits: float, value_bits: float, head_dim: int, value_dim: int | None) -> float:
+    """Bits per element over a key of ``head_dim`` and a value of ``value_dim`` (default ``head_dim``) elements,
+    given the bits each of them holds in all (codes and metadata)."""
+    return (key_bits + value_bits) / (head_dim + (value_dim or head_dim))
 
 
 class ArchitectureMethod(Method):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
-from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
+from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, per_element, register
 from kvviz.methods.kivi import refuse_rerotation
 
 BLOCK = 64  # smallest blocksize bitsandbytes' CPU kernels accept above 32 for every type
@@ -46,39 +46,43 @@ def _quantize(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 class BnbStorage(KVStorage):
-    """Keys and values stacked on a leading axis of 2, so each step costs one quantize and one dequantize call."""
+    """Keys and values each as codes, absmax and the dequantized copy; quantized in one call when their widths match
+    (MLA models cache keys wider than values, and each is padded to its own blocks)."""
 
     per_entry_bytes = True
 
     def __init__(self, kind: str):
         self.kind = kind
-        self.codes: torch.Tensor | None = None  # [2, B, H, T, bytes per row]
-        self.absmax: torch.Tensor | None = None  # [2, B, H, T, blocks per row] fp32
-        self.dequant: torch.Tensor | None = None  # [2, B, H, T, D]
+        self.codes: list[torch.Tensor] = []  # keys, values: [B, H, T, bytes per row]
+        self.absmax: list[torch.Tensor] = []  # [B, H, T, blocks per row] fp32
+        self.dequant: list[torch.Tensor] = []  # [B, H, T, D]
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        batch = keys.shape[0]
-        codes, absmax, dequant = (t.unflatten(0, (2, batch)) for t in _quantize(self.kind, torch.cat([keys, values])))
-        if self.codes is None:
-            self.codes, self.absmax, self.dequant = codes, absmax, dequant
+        if keys.shape[-1] == values.shape[-1]:  # one quantize call for both
+            both = [t.unflatten(0, (2, keys.shape[0])) for t in _quantize(self.kind, torch.cat([keys, values]))]
+            new = [[t[slot] for t in both] for slot in (0, 1)]
         else:
-            self.codes = torch.cat([self.codes, codes], 3)
-            self.absmax = torch.cat([self.absmax, absmax], 3)
-            self.dequant = torch.cat([self.dequant, dequant], 3)
+            new = [list(_quantize(self.kind, x)) for x in (keys, values)]
+        if not self.codes:
+            self.codes, self.absmax, self.dequant = (list(parts) for parts in zip(*new, strict=True))
+            return
+        for slot, (codes, absmax, dequant) in enumerate(new):
+            self.codes[slot] = torch.cat([self.codes[slot], codes], 2)
+            self.absmax[slot] = torch.cat([self.absmax[slot], absmax], 2)
+            self.dequant[slot] = torch.cat([self.dequant[slot], dequant], 2)
 
     def keep(self, index: torch.Tensor) -> None:
-        both = torch.cat([index, index])
-        self.codes, self.absmax, self.dequant = (gather_tokens(t.flatten(0, 1), both).unflatten(0, (2, -1))
-                                                 for t in (self.codes, self.absmax, self.dequant))
+        for tensors in (self.codes, self.absmax, self.dequant):
+            tensors[:] = [gather_tokens(t, index) for t in tensors]
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.dequant[0], self.dequant[1]
 
     def __len__(self) -> int:
-        return 0 if self.codes is None else self.codes.shape[3]
+        return self.codes[0].shape[2] if self.codes else 0
 
     def nbytes(self) -> StorageBytes:
-        return StorageBytes(codes=tensor_bytes(self.codes), metadata=tensor_bytes(self.absmax))
+        return StorageBytes(codes=tensor_bytes(*self.codes), metadata=tensor_bytes(*self.absmax))
 
 
 @register
@@ -91,10 +95,14 @@ class Bnb(QuantizationMethod):
         _functional()
         return BnbStorage(self.type)
 
-    def bits_per_element(self, head_dim: int) -> float:
-        padded = -(-head_dim // BLOCK) * BLOCK
+    def bits_per_element(self, head_dim: int, value_dim: int | None = None) -> float:
         code_bits = 8 if self.type == "int8" else 4
-        return (padded * code_bits + 32 * padded // BLOCK) / head_dim
+
+        def row_bits(dim: int) -> int:  # padded codes and one fp32 absmax per block
+            padded = -(-dim // BLOCK) * BLOCK
+            return padded * code_bits + 32 * padded // BLOCK
+
+        return per_element(row_bits(head_dim), row_bits(value_dim or head_dim), head_dim, value_dim)
 
     def check_stack(self, stack: MethodStack) -> None:
         refuse_rerotation(self, stack)

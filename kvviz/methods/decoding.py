@@ -5,7 +5,8 @@ The prompt is left whole; compression starts with generation. The step count mat
 token counts, the first decode step is 1), and so does the cut: DecodingPress compresses after step ``every``'s
 attention, kvviz as step ``every + 1``'s token arrives, scoring the older entries only, so the cache holds between
 ``target + 1`` and ``target + every`` entries per head once rounds begin. The ledger records each round's evictions
-at the step that made them (``every + 1``, ``2 * every + 1``, ...). Scorers are those whose score reads
+at the step that made them (``every + 1``, ``2 * every + 1``, ...). Tied scores break as in DecodingPress, whose
+cache holds the last round's kept entries in score order (see ``_kvpress_layout``). Scorers are those whose score reads
 only the cached keys and values (knorm, keydiff, lagkv, random): the others need hidden states that kvviz does not
 buffer during decoding.
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.methods.base import EvictionMethod, LayerView, Param, register, topk_keep
+from kvviz.methods.base import EvictionMethod, LayerView, Param, register
 from kvviz.methods.kvpress_scorer import PRESSES
 
 CACHE_ONLY_PRESSES = ("knorm", "keydiff", "lagkv", "random")
@@ -66,6 +67,26 @@ class Decoding(EvictionMethod):
         keys, values = view.entries()
         with torch.inference_mode():
             scores = self._press(view.state).score(None, None, keys[:, :, :older], values[:, :, :older], None, {})
-        chosen = topk_keep(scores.float(), self.target)
+        positions = view.positions[..., :older]
+        layout = self._kvpress_layout(view.state, positions)
+        ranked = layout.gather(-1, scores.float().gather(-1, layout).topk(self.target, dim=-1).indices)
+        view.state["ranked"] = positions.gather(-1, ranked)
+        chosen = ranked.sort(dim=-1).values
         newest = torch.full((*chosen.shape[:2], 1), older, dtype=chosen.dtype, device=chosen.device)
         return torch.cat([chosen, newest], dim=-1)
+
+    def _kvpress_layout(self, state: dict, positions: torch.Tensor) -> torch.Tensor:
+        """[B, H, T] the order DecodingPress's cache holds these entries in, as indices into ``positions``.
+
+        Scores tie (a repeated token's first-layer keys differ by RoPE only, which keeps norms), and top-k breaks
+        ties by order; kvpress gathers the kept entries in score order and appends new tokens after them, while
+        kvviz keeps position order. Scoring in kvpress's order makes the same choice among tied entries.
+        """
+        ranked = state.get("ranked")  # the previous round's kept positions, in its top-k order
+        if ranked is None:  # before the first round both caches are in position order
+            return torch.arange(positions.shape[-1], device=positions.device).expand_as(positions)
+        rank = torch.full((*positions.shape[:2], int(positions.max()) + 1), -1, dtype=torch.long,
+                          device=positions.device)
+        rank.scatter_(-1, ranked, torch.arange(ranked.shape[-1], device=positions.device).expand_as(ranked))
+        rank = rank.gather(-1, positions)
+        return torch.where(rank >= 0, rank, ranked.shape[-1] + positions).argsort(dim=-1)

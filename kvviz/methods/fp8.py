@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
-from kvviz.methods.base import MethodStack, Param, QuantizationMethod, register
+from kvviz.methods.base import MethodStack, Param, QuantizationMethod, per_element, register
 from kvviz.methods.kivi import refuse_rerotation
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -98,8 +98,9 @@ class Fp8(QuantizationMethod):
     def new_storage(self, layer_idx: int) -> Fp8Storage:
         return Fp8Storage(FORMATS[self.format], self.scale)
 
-    def bits_per_element(self, head_dim: int) -> float:
-        return 8 + (8 * SCALE_BYTES / head_dim if self.scale == "token" else 0)
+    def bits_per_element(self, head_dim: int, value_dim: int | None = None) -> float:
+        scale_bits = 8 * SCALE_BYTES if self.scale == "token" else 0  # per key and per value of a head's token
+        return per_element(8 * head_dim + scale_bits, 8 * (value_dim or head_dim) + scale_bits, head_dim, value_dim)
 
     def check_stack(self, stack: MethodStack) -> None:
         refuse_rerotation(self, stack)

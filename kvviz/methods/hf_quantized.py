@@ -115,6 +115,8 @@ class HFQuantized(QuantizationMethod):
         return HFQuantizedStorage(layer_class(nbits=self.nbits, q_group_size=self.group,
                                               residual_length=self.residual))
 
-    def bits_per_element(self, head_dim: int) -> float:
-        return bits_with_metadata(self.nbits, self.group)  # scale and zero at 16-bit compute dtype
+    def bits_per_element(self, head_dim: int, value_dim: int | None = None) -> float:
+        # groups of elements whatever the key and value widths; scale and zero at a 16-bit compute dtype (a float32
+        # model keeps them in float32, twice the metadata)
+        return bits_with_metadata(self.nbits, self.group)
 

@@ -31,7 +31,7 @@ from kvviz.core.quant import (
     quantize_per_token,
 )
 from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
-from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
+from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, per_element, register
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -51,12 +51,12 @@ class GroupQuantStorage(KVStorage):
         self.dequant_values: torch.Tensor | None = None
         self.res_keys: torch.Tensor | None = None  # [B, H, R, D] full-precision residual, model dtype
         self.res_values: torch.Tensor | None = None
-        self.dim = 0
+        self.key_dim = self.value_dim = 0  # MLA models cache keys and values of different widths
         self.dtype = torch.float32
 
     # -- protocol ---------------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        self.dim, self.dtype = keys.shape[-1], keys.dtype
+        self.key_dim, self.value_dim, self.dtype = keys.shape[-1], values.shape[-1], keys.dtype
         self.res_keys, self.res_values = _cat(self.res_keys, keys), _cat(self.res_values, values)
         self._flush()
 
@@ -114,20 +114,20 @@ class GroupQuantStorage(KVStorage):
         if self.keys_per_channel:
             new_keys = quantize_per_channel(keys, self.bits, self.group)
             local = torch.arange(count, device=keys.device) // self.group
-            dequant = dequantize_per_channel(new_keys, self.bits, self.dim, local.expand(*keys.shape[:2], count),
+            dequant = dequantize_per_channel(new_keys, self.bits, self.key_dim, local.expand(*keys.shape[:2], count),
                                              self.dtype)
             if self.group_sizes is not None:
                 full = torch.full((*keys.shape[:2], groups), self.group, dtype=torch.int16, device=keys.device)
                 self.group_sizes = torch.cat([self.group_sizes, full], dim=2)
         else:
             new_keys = quantize_per_token(keys, self.bits, self.group)
-            dequant = dequantize_per_token(new_keys, self.bits, self.dim, self.group, self.dtype)
+            dequant = dequantize_per_token(new_keys, self.bits, self.key_dim, self.group, self.dtype)
         new_values = quantize_per_token(values, self.bits, self.group)
         self.keys = self._append(self.keys, new_keys)
         self.values = self._append(self.values, new_values)
         self.dequant_keys = _cat(self.dequant_keys, dequant)
         self.dequant_values = _cat(self.dequant_values,
-                                   dequantize_per_token(new_values, self.bits, self.dim, self.group, self.dtype))
+                                   dequantize_per_token(new_values, self.bits, self.value_dim, self.group, self.dtype))
 
     @staticmethod
     def _append(old: Quantized | None, new: Quantized) -> Quantized:
@@ -171,10 +171,18 @@ class GroupQuantMethod(QuantizationMethod):
     def new_storage(self, layer_idx: int) -> GroupQuantStorage:
         return GroupQuantStorage(self.bits, self.group, self.residual, self.keys_per_channel)
 
-    def bits_per_element(self, head_dim: int) -> float:
-        per_token = bits_with_metadata(self.bits, head_dim / len(set(channel_groups(head_dim, self.group).tolist())))
-        keys = bits_with_metadata(self.bits, self.group) if self.keys_per_channel else per_token
-        return (keys + per_token) / 2
+    def bits_per_element(self, head_dim: int, value_dim: int | None = None) -> float:
+        value_dim = value_dim or head_dim
+        keys = self.bits_per_channel() if self.keys_per_channel else self.bits_per_token(head_dim)
+        return per_element(keys * head_dim, self.bits_per_token(value_dim) * value_dim, head_dim, value_dim)
+
+    def bits_per_channel(self) -> float:
+        """Bits per element of a key quantized per channel: each channel's scale and zero shared by ``group`` tokens."""
+        return bits_with_metadata(self.bits, self.group)
+
+    def bits_per_token(self, dim: int) -> float:
+        """Bits per element of a ``dim``-wide vector quantized on its own in groups of ``group`` channels."""
+        return bits_with_metadata(self.bits, dim / len(set(channel_groups(dim, self.group).tolist())))
 
     def check_stack(self, stack: MethodStack) -> None:
         refuse_rerotation(self, stack)

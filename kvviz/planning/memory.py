@@ -47,6 +47,13 @@ class ModelCard:
     kv_elements_per_token: int  # across all layers, K and V together
     mla_latent_dim: int | None = None
     stored_elements_per_token: int | None = None  # what transformers' cache holds, where it differs (MLA models)
+    stored_key_dim: int | None = None  # per-head key and value widths transformers caches, where not head_dim (MLA)
+    stored_value_dim: int | None = None
+
+    @property
+    def cached_dims(self) -> tuple[int, int]:
+        """Widths of one cached key and one cached value per head (MLA: keys nope + rope, values v_head_dim)."""
+        return self.stored_key_dim or self.head_dim, self.stored_value_dim or self.head_dim
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -100,12 +107,13 @@ def card_from_config(name: str, config, dtype: str = "bfloat16", weight_bytes: i
     sliding = get("sliding_window")
     sliding_layers = sum(1 for t in layer_types if t == "sliding_attention") if layer_types else (
         layers if sliding and get("use_sliding_window", True) else 0)
-    stored = None
+    stored = key_dim = value_dim = None
     if is_mla:
         latent_dim = int(latent) + int(get("qk_rope_head_dim") or 0)
         elements = layers * latent_dim
         key_dim = int(get("qk_nope_head_dim") or 0) + int(get("qk_rope_head_dim") or 0)
-        stored = layers * kv_heads * (key_dim + int(get("v_head_dim") or key_dim))  # decompressed per-head K and V
+        value_dim = int(get("v_head_dim") or key_dim)
+        stored = layers * kv_heads * (key_dim + value_dim)  # decompressed per-head K and V
     else:
         latent_dim = None
         elements = 2 * layers * kv_heads * head_dim
@@ -127,6 +135,8 @@ def card_from_config(name: str, config, dtype: str = "bfloat16", weight_bytes: i
         kv_elements_per_token=elements,
         mla_latent_dim=latent_dim,
         stored_elements_per_token=stored,
+        stored_key_dim=key_dim,
+        stored_value_dim=value_dim,
     )
 
 

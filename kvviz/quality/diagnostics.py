@@ -54,7 +54,7 @@ def reconstruction_error(kv: Sequence[LayerKV], method: str | MethodStack | Quan
         stored_keys, stored_values = storage.materialize()
         keys_error.append(_relative(stored_keys - keys, keys))
         values_error.append(_relative(stored_values - values, values))
-        per_token = 2 * keys[:, :, :1].numel() * keys.element_size()  # one token's K and V at full precision
+        per_token = (keys[:, :, :1].numel() + values[:, :, :1].numel()) * keys.element_size()  # one token's K and V
         quantized.append(len(storage) - storage.nbytes().full_precision // per_token)
     return ReconstructionError(quantization.spec(), keys_error, values_error, quantized)
 

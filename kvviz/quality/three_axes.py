@@ -35,6 +35,17 @@ def budget_specs(card: ModelCard, fraction: float) -> dict[str, str]:
     }
 
 
+def axes_specs(card: ModelCard, budgets: list[float], also: list[str] | None = None) -> list[str]:
+    """Every budget's SPECs (each axis alone, latent + tokens, then all three with heads and with the latent), then
+    ``also``; each SPEC once, in that order, so one command gives one table."""
+    specs: list[str] = []
+    for fraction in budgets:
+        axis = budget_specs(card, fraction)
+        heads, latent, tokens, bits = axis["heads"], axis["latent"], axis["tokens"], axis["bits"]
+        specs += [*axis.values(), f"{latent}+{tokens}", f"{heads}+{tokens}+{bits}", f"{latent}+{tokens}+{bits}"]
+    return list(dict.fromkeys([*specs, *(also or [])]))
+
+
 @dataclass
 class AxisRow:
     """One SPEC on the needle prompt."""

@@ -68,10 +68,10 @@ def test_matches_kvpress_decoding_press_on_the_real_model(real_model, hamlet_ids
         for head in range(ours.shape[0]):
             shares.append(len(set(ours[head].tolist()) & set(expected[head].tolist())) / expected.shape[-1])
     assert len(shares) == 30 * 3
-    # the first layer's keys depend on the token alone and RoPE keeps norms, so every repeat of a token ("\n", ".")
-    # ties under knorm there; ties break by cache order, which differs (kvpress keeps its cache in score order)
-    assert min(shares[3:]) >= 0.99, f"worst head overlap past the first layer {min(shares[3:]):.3f}"
-    assert min(shares[:3]) >= 0.95, f"worst first-layer head overlap {min(shares[:3]):.3f}"
+    # the first layer's keys depend on the token alone and RoPE keeps norms, so every repeat of "." ties under knorm
+    # there; decoding breaks ties in DecodingPress's cache order (its last round's score order, then new tokens),
+    # which position order got wrong on 1.5% of a head's entries
+    assert min(shares) == 1.0, f"worst head overlap {min(shares):.3f} (first layer {min(shares[:3]):.3f})"
     steps = set(cache.ledger.evicted_at.unique().tolist()) - {-1}
     assert steps == {9, 17}  # both rounds, recorded as the next token arrives
 
