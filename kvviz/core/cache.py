@@ -89,6 +89,7 @@ class KVLayer(CacheLayerMixin):
     def view(self, attention: torch.Tensor | None = None) -> LayerView:
         return LayerView(
             layer_idx=self.layer_idx,
+            layers=len(self.owner.layers),
             positions=self.positions,
             entries=self.storage.materialize,
             prompt_length=self.owner.prompt_length,

@@ -52,7 +52,7 @@ class AdaKV(KVPressScorer):
 
     def prefill_select(self, view: LayerView, stats) -> torch.Tensor | RaggedKeep | None:
         length = view.positions.shape[-1]
-        per_head = self.layer_kept(length, view.layer_idx, stats)
+        per_head = self.layer_kept(length, view.layer_idx, view.layers)
         if per_head >= length:
             return None
         keep = adaptive_keep(self.prefill_scores(view, stats), per_head, self.alpha)

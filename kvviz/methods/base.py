@@ -249,10 +249,11 @@ class LayerView:
     attention: the latest queries' probabilities over these entries, [B, H_q, q, T], for methods that score by
         attention at decode time; None otherwise.
     prompt_length: tokens in the prompt; step: 0 during prefill compression, s >= 1 at decode step s.
-    state: the method's own per-layer state (from ``new_state``).
+    state: the method's own per-layer state (from ``new_state``); layers: the model's layer count.
     """
 
     layer_idx: int
+    layers: int
     positions: torch.Tensor
     entries: Callable[[], tuple[torch.Tensor, torch.Tensor]]
     prompt_length: int
@@ -329,6 +330,11 @@ class EvictionMethod(Method):
     def budget_for(self, prompt_length: int) -> int | None:
         """Tokens kept per head at steady state, for the memory formula; None when unbounded."""
         return None
+
+    def layer_budget_for(self, prompt_length: int, layer_idx: int, layers: int) -> int | None:
+        """Tokens kept per head in layer ``layer_idx`` of ``layers`` at steady state: :meth:`budget_for` unless
+        the method spreads its budget over layers (pyramidkv, per_layer)."""
+        return self.budget_for(prompt_length)
 
     @classmethod
     def at_budget(cls, tokens: int, prompt_length: int | None = None) -> EvictionMethod | None:

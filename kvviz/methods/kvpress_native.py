@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from kvviz.methods.base import EvictionMethod, LayerView, Param, SpecError, register
-from kvviz.methods.kvpress_scorer import removed_share
+from kvviz.methods.kvpress_scorer import kept_count, removed_share
 
 DEFAULT_RATIO = 0.5  # kvpress's ratios default to 0 (no compression); kvviz shows an effect by default
 MAX_KEY_DISTANCE = 1e-3  # relative distance above which a key the press changed is not called the same row
@@ -273,7 +273,6 @@ class KVPressNative(EvictionMethod):
     stacks_with_architecture = False
     why_not_with_architecture = "compresses the model's own cache inside kvpress's hooks, before any head merging"
 
-
     @classmethod
     def at_budget(cls, tokens: int, prompt_length: int | None = None) -> KVPressNative | None:
         """kvpress's knorm press at the compression ratio that keeps ``tokens`` of the prompt (it reads no
@@ -281,6 +280,15 @@ class KVPressNative(EvictionMethod):
         if not prompt_length:
             return None
         return cls(press="knorm", compression_ratio=removed_share(tokens, prompt_length))
+
+    def budget_for(self, prompt_length: int) -> int | None:
+        """A scorer press's uniform share; None for presses that keep other than the top share of every head."""
+        import kvpress
+
+        ratio = getattr(self, "compression_ratio", None)
+        if ratio is None or not issubclass(self.press_class, kvpress.ScorerPress):
+            return None
+        return prompt_length if ratio == 0 else kept_count(prompt_length, ratio)
 
     def __init__(self, **values: Any):
         self.press_class, self.fields, self.inner_fields, self.params = self.declare(values)

@@ -91,7 +91,14 @@ class KVPressScorer(ScoringEviction):
                             "4 sinks + 1")
 
     def keep_count(self, view: LayerView, stats=None) -> int:
-        return self.layer_kept(view.positions.shape[-1], view.layer_idx, stats)
+        return self.layer_kept(view.positions.shape[-1], view.layer_idx, view.layers)
+
+    def budget_for(self, prompt_length: int) -> int | None:
+        """The uniform share (the mean of the layer-adaptive wrappers' budgets)."""
+        return prompt_length if self.ratio == 0 else kept_count(prompt_length, self.ratio)
+
+    def layer_budget_for(self, prompt_length: int, layer_idx: int, layers: int) -> int:
+        return self.layer_kept(prompt_length, layer_idx, layers)
 
     @classmethod
     def at_budget(cls, tokens: int, prompt_length: int | None = None) -> KVPressScorer | None:
@@ -101,9 +108,9 @@ class KVPressScorer(ScoringEviction):
             return None
         return cls(press="knorm", **{cls.ratio_param: removed_share(tokens, prompt_length)})
 
-    def layer_kept(self, length: int, layer_idx: int, stats) -> int:
-        """Entries each head of layer ``layer_idx`` keeps out of ``length``: the same in every layer here; the
-        layer-adaptive wrappers (pyramidkv, per_layer) override it."""
+    def layer_kept(self, length: int, layer_idx: int, layers: int) -> int:
+        """Entries each head of layer ``layer_idx`` of ``layers`` keeps out of ``length``: the same in every layer
+        here; the layer-adaptive wrappers (pyramidkv, per_layer) override it."""
         return length if self.ratio == 0 else kept_count(length, self.ratio)
 
     def prefill_scores(self, view: LayerView, stats) -> torch.Tensor:

@@ -45,8 +45,10 @@ class PerLayer(KVPressScorer):
         self.values_per_layer = values
         self.ratio = max(values)  # the press's own setting; the counts come from layer_kept
 
-    def layer_kept(self, length: int, layer_idx: int, stats) -> int:
-        layers = stats.layer_inputs[layer_idx].module.config.num_hidden_layers
+    def budget_for(self, prompt_length: int) -> None:
+        return None  # one budget per layer: see layer_budget_for
+
+    def layer_kept(self, length: int, layer_idx: int, layers: int) -> int:
         if len(self.values_per_layer) > layers:
             raise SpecError(f"per_layer gives {len(self.values_per_layer)} ratios; the model has {layers} layers")
         ratio = layer_ratio(self.values_per_layer, layer_idx, layers)

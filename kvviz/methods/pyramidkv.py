@@ -66,8 +66,7 @@ class PyramidKV(KVPressScorer):
             raise SpecError(f"pyramidkv window {self.window} is not shorter than the prompt ({prompt_length} tokens)")
         super().check_context(prompt_length)
 
-    def layer_kept(self, length: int, layer_idx: int, stats) -> int:
+    def layer_kept(self, length: int, layer_idx: int, layers: int) -> int:
         if self.ratio == 0:
             return length
-        layers = stats.layer_inputs[layer_idx].module.config.num_hidden_layers
         return min(length, pyramid_kept(length, layer_idx, layers, self.ratio, self.window, self.beta))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.sections.shared_prefill import shared_forks
-from kvviz.bench.specs import KIVI
+from kvviz.bench.specs import KIVI, eviction_specs
 from kvviz.bench.workloads import prompt_tokens
 from kvviz.core.session import PromptSession
-from kvviz.methods import REGISTRY, parse_spec
+from kvviz.methods import parse_spec
 
 
 @bench_section("kv_bytes")
@@ -18,22 +18,25 @@ def kv_bytes(run: BenchRun) -> Section:
     forks = shared_forks(run)
     prompt, card = forks.prompt, forks.card
     session = PromptSession(loaded, prompt_tokens(loaded, prompt))
-    extra = [s for s in (KIVI if "kivi" in REGISTRY else None,
-                         "per_token:bits=4" if "per_token" in REGISTRY else None) if s and s not in forks.specs]
+    others = [*eviction_specs(max(8, prompt // 4), prompt), KIVI, "per_token:bits=4"]  # the methods forks left out
+    extra = [s for s in others if s not in forks.specs]
     results = list(forks.results) + [session.run(s, sizes.compare_tokens)[0] for s in extra]
     worst = 0.0
     for result in results:
         stack = parse_spec(result.method)
         held = prompt + len(result.token_ids) - 1
-        budget = stack.eviction.budget_for(prompt) if stack.eviction is not None else None
+        budgets = [stack.eviction.layer_budget_for(prompt, layer, card.layers) if stack.eviction is not None
+                   else None for layer in range(card.layers)]
+        budget = "all" if set(budgets) == {None} else "/".join(map(str, sorted(set(budgets))))
         quant = stack.quantization
         if quant is None:
             # Prefill-time methods hold their budget after compression (step 0); per-step ones at the end too.
-            candidates = [(result.kv_bytes_per_step[0], card.kv_bytes(min(prompt, budget or prompt))),
-                          (result.kv_bytes, card.kv_bytes(min(held, budget or held)))]
+            # Each layer holds the tokens so far, or its own budget when smaller.
+            candidates = [(measured, sum(card.kv_bytes(min(tokens, b or tokens)) for b in budgets) / card.layers)
+                          for measured, tokens in ((result.kv_bytes_per_step[0], prompt), (result.kv_bytes, held))]
             error = min(abs(m / p - 1) for m, p in candidates)
             section.add(f"{result.method}", error * 100, "% off", "<= 2",
-                        note=f"measured {result.kv_bytes:,} B at the end, budget {budget or 'all'}")
+                        note=f"measured {result.kv_bytes:,} B at the end, budget {budget}")
         else:
             breakdown = result.kv_breakdown
             residual_tokens = breakdown.full_precision / (card.kv_elements_per_token * card.bytes_per_element)
