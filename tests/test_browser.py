@@ -6,11 +6,11 @@ Screenshots of each page land in docs/screenshots/ (the README shows them).
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 
+from kvviz.bench import browser
 from kvviz.bench.browser import served_app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +34,8 @@ def server(tmp_path_factory):
 
 
 def settle(page, timeout: float = 240) -> None:
-    """Wait until the script run finished (Streamlit's running indicator is gone)."""
-    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
-    deadline = time.monotonic() + timeout
-    page.wait_for_timeout(800)
-    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
-        page.wait_for_timeout(300)
-    page.wait_for_timeout(500)
+    """Wait until the script run finished; longer pauses than the bench's, for a machine busy with other tests."""
+    browser.settle(page, timeout, pause=0.8)
 
 
 def no_exception(page) -> None:

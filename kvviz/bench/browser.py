@@ -72,10 +72,12 @@ def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float
                 process.wait()
 
 
-def settle(page, timeout: float = 600) -> None:
-    """Wait until the page's script run finished (Streamlit's running indicator is gone)."""
+def settle(page, timeout: float = 600, pause: float = 0.3) -> None:
+    """Wait until the page's script run finished (Streamlit's running indicator is gone), ``pause`` seconds before
+    looking (a run may not have started yet) and after (the last elements drawn)."""
     page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
     deadline = time.monotonic() + timeout
-    page.wait_for_timeout(300)
+    page.wait_for_timeout(pause * 1000)
     while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
         page.wait_for_timeout(100)
+    page.wait_for_timeout(pause * 1000)
