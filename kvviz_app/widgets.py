@@ -27,7 +27,8 @@ def _param_widget(param: Param, key: str, initial: object) -> object:
                                max_value=None if param.max is None else int(param.max), step=1, key=key,
                                help=help_text)
     if param.type is float:
-        return st.number_input(label, value=float(initial), min_value=param.min, max_value=param.max, key=key,
+        return st.number_input(label, value=float(initial), min_value=None if param.min is None else float(param.min),
+                               max_value=None if param.max is None else float(param.max), key=key,
                                help=help_text, format="%.4f")
     return st.text_input(label, value=str(initial), key=key, help=help_text)
 

@@ -130,3 +130,22 @@ def test_tail_risk_page_scores_each_method_and_shows_what_a_failure_lost():
     assert app.selectbox(key="tail_failure").options, "a 24-token window loses planted statements at 192 tokens"
     assert any("evicted" in str(c.value) for c in app.caption)
     assert [b.label for b in app.get("download_button")] == ["Runs as CSV", "Report as JSON"]
+
+
+def test_compare_page_says_what_native_presses_did_and_refuses_an_unmappable_one(monkeypatch):
+    monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")  # keys no prompt token has
+    specs = ["full", "kvpress_native:press=think,key_channel_compression_ratio=0.25",
+             "kvpress_native:press=merging,inner=knorm", "kvpress_native:press=keyscaling"]
+    app = page("2_Compare.py", m=specs, n="2")
+    app.text_area(key="compare_text").set_value("Name three colours of the rainbow.").run()
+    app.button[0].click().run()
+    assert not app.exception
+    assert "What the kvpress presses did" in texts(app.subheader)
+    said = " ".join(texts(app.markdown))
+    assert "Key channels kept per KV head: 48" in said and "evicted entries merged into" in said
+    assert [e.label for e in app.expander] == ["Key channels kept per layer x KV head",
+                                               "Which tokens were merged into which survivor, per layer x KV head"]
+    assert any("Not shown: kvpress keyscaling changed keys" in w for w in texts(app.warning))
+    assert app.dataframe[0].value["error"][3].startswith("kvpress keyscaling changed keys")
+    assert "kvpress_native:press=keyscaling" not in app.selectbox(key="kept_method").options
+

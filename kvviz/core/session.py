@@ -184,6 +184,7 @@ class PromptSession:
                                       self.card.bytes_per_element, self.card.stored_kv_bytes(total_tokens)),
             projection_bytes=sum(layer.storage.weight_bytes() for layer in cache.layers
                                  if isinstance(layer.storage, ArchitectureStorage)),
+            native_report=stack.eviction.report if stack.eviction is not None and stack.eviction.own_prefill else None,
         )
 
 
