@@ -149,3 +149,36 @@ def test_compare_page_says_what_native_presses_did_and_refuses_an_unmappable_one
     assert app.dataframe[0].value["error"][3].startswith("kvpress keyscaling changed keys")
     assert "kvpress_native:press=keyscaling" not in app.selectbox(key="kept_method").options
 
+
+def test_compare_draws_a_widget_per_press_field_and_runs_the_chosen_values():
+    """kvpress_native's widgets come from the chosen press's dataclass fields: switching the press redraws them with
+    that press's defaults, and the run's SPEC carries the values set in them."""
+    import dataclasses
+
+    import kvpress
+
+    app = page("2_Compare.py", m=["full", "window:window=16"], n="2")
+    app.text_area(key="compare_text").set_value("Name three colours of the rainbow.").run()
+    app.selectbox(key="cfg1_eviction").set_value("kvpress_native").run()
+    assert not app.exception and not app.error, texts(app.error)
+    fields = {f.name: f.default for f in dataclasses.fields(kvpress.SnapKVPress)}
+    assert app.selectbox(key="cfg1_kvpress_native_press").value == "snapkv"
+    assert app.number_input(key="cfg1_kvpress_native_window_size").value == fields["window_size"]
+    assert app.number_input(key="cfg1_kvpress_native_kernel_size").value == fields["kernel_size"]
+
+    app.selectbox(key="cfg1_kvpress_native_press").set_value("streamingllm").run()
+    drawn = {w.key: w for w in app.number_input if w.key.startswith("cfg1_kvpress_native_")}
+    assert set(drawn) == {"cfg1_kvpress_native_compression_ratio", "cfg1_kvpress_native_n_sink"}
+    sinks = next(f for f in dataclasses.fields(kvpress.StreamingLLMPress) if f.name == "n_sink")
+    assert drawn["cfg1_kvpress_native_n_sink"].value == sinks.default
+    assert "StreamingLLMPress.n_sink" in drawn["cfg1_kvpress_native_n_sink"].help
+    assert drawn["cfg1_kvpress_native_compression_ratio"].value == 0.5  # kvpress's 0 would compress nothing
+
+    drawn["cfg1_kvpress_native_n_sink"].set_value(2)
+    drawn["cfg1_kvpress_native_compression_ratio"].set_value(0.75).run()
+    app.button[0].click().run()
+    assert not app.exception and not app.error, texts(app.error)
+    spec = "kvpress_native:press=streamingllm,compression_ratio=0.75,n_sink=2"
+    assert list(app.dataframe[0].value["method"]) == ["full", spec]
+    assert app.query_params["m"] == ["full", spec]
+    assert app.selectbox(key="kept_method").options == [spec]  # its ledger: a quarter of the prompt kept
