@@ -242,11 +242,10 @@ class NativeReport:
 
     def lines(self) -> list[str]:
         """What the press did besides dropping rows, one plain sentence each (the app and the CLI print these)."""
-        found = [f"{self.exact_rows:,} bit-identical to a prompt token's"] if self.exact_rows else []
+        found = [f"{self.exact_rows:,} bit-identical"] if self.exact_rows else []
         if self.nearest_rows:
-            found.append(f"{self.nearest_rows:,} to the nearest prompt token's key (at most "
-                         f"{self.max_distance:.1e} away)")
-        lines = ["Kept rows matched: " + (", ".join(found) or "none") + "."]
+            found.append(f"{self.nearest_rows:,} by the nearest key (at most {self.max_distance:.1e} apart)")
+        lines = ["Kept rows matched to prompt tokens: " + (", ".join(found) or "none") + "."]
         if self.rerotated:
             lines.append("Keys re-rotated by the press to close the gaps: the rotation was undone before matching; "
                          "the cache holds the press's re-rotated keys.")
