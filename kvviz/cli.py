@@ -195,6 +195,8 @@ def _print_comparison(comparison) -> None:
         agreement = "" if result.agreement_with_full is None else f", agreement {result.agreement_with_full:.2f}"
         print(f"\n== {result.method}: kv {result.kv_bytes:,} B vs full {result.kv_bytes_full:,} B {ratio}"
               f"{agreement}, {result.seconds:.2f}s")
+        for line in result.native_report.lines() if result.native_report is not None else []:
+            print(f"   {line}")
         print(result.text)
 
 

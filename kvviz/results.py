@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvviz.core.architecture import AxisFactors
 from kvviz.core.ledger import EvictionLedger
 from kvviz.core.storage import StorageBytes
 from kvviz.quality.diagnostics import QuantizationReport
+
+if TYPE_CHECKING:
+    from kvviz.methods.kvpress_native import NativeReport
 
 
 @dataclass
@@ -31,6 +35,7 @@ class MethodResult:
     error: str | None = None
     axis_factors: AxisFactors | None = None  # full bytes x architecture x eviction x quantization (core.architecture)
     projection_bytes: int = 0  # an architecture method's fitted projections: weights, not cache
+    native_report: NativeReport | None = None  # a kvpress press run natively: what it did besides dropping rows
 
     @property
     def compression(self) -> float | None:
@@ -58,6 +63,8 @@ class MethodResult:
         if self.axis_factors is not None:
             data["axis_factors"] = self.axis_factors.to_json()
             data["projection_bytes"] = self.projection_bytes
+        if self.native_report is not None:
+            data["kvpress_native"] = self.native_report.to_json(with_details=with_ledger)
         if with_ledger and self.ledger is not None:
             data["ledger"] = self.ledger.to_json(self.ledger.length)  # tokens fed: the last generated one never is
         return data

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from kvviz.core.models import LoadedModel
@@ -79,3 +80,33 @@ def method_output(loaded: LoadedModel, result: MethodResult) -> bool:
     tokens = token_texts(loaded.name, tuple(result.token_ids), loaded.tokenizer, skip_special=True)
     st.html(plots.divergence_html(tokens, result.first_divergence))
     return True
+
+
+def native_report(result: MethodResult) -> None:
+    """What a kvpress press run natively did besides dropping rows (channels kept, merges, re-rotation, head-wise
+    masking), or, when its result could not be mapped to prompt tokens, that nothing of it is drawn and why."""
+    st.markdown(f"**{result.method}**")
+    report = result.native_report
+    if report is None:
+        st.warning(f"Not shown: {result.error}. No ledger, kept map or bytes are drawn for this press: kvviz does not "
+                   "guess what it kept.")
+        return
+    st.markdown("\n".join(f"- {line}" for line in report.lines()))
+    if report.channels_kept is not None:
+        with st.expander("Key channels kept per layer x KV head"):
+            st.dataframe(pd.DataFrame(report.channels_kept, columns=[f"head {h}" for h in
+                                                                      range(len(report.channels_kept[0]))])
+                         .rename_axis("layer"), width="stretch")
+    if report.merged_into:
+        rows = []
+        for layer, targets in report.merged_into.items():
+            for head in range(targets.shape[0]):
+                into = targets[head][targets[head] >= 0]
+                if into.numel():
+                    survivors, counts = into.unique(return_counts=True)
+                    biggest = int(counts.argmax())
+                    rows.append({"layer": layer, "KV head": head, "merged tokens": int(into.numel()),
+                                 "into survivors": int(survivors.numel()),
+                                 "largest merge": f"token {int(survivors[biggest])} <- {int(counts[biggest])} tokens"})
+        with st.expander("Which tokens were merged into which survivor, per layer x KV head"):
+            st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch")

@@ -27,9 +27,18 @@ def _param_widget(param: Param, key: str, initial: object) -> object:
                                max_value=None if param.max is None else int(param.max), step=1, key=key,
                                help=help_text)
     if param.type is float:
-        return st.number_input(label, value=float(initial), min_value=param.min, max_value=param.max, key=key,
+        return st.number_input(label, value=float(initial), min_value=None if param.min is None else float(param.min),
+                               max_value=None if param.max is None else float(param.max), key=key,
                                help=help_text, format="%.4f")
     return st.text_input(label, value=str(initial), key=key, help=help_text)
+
+
+def _declared(name: str, values: dict[str, object]) -> tuple[Param, ...]:
+    """The parameters of method ``name`` given the values chosen so far: its own ``params_for`` when the choices decide
+    the rest (kvpress_native: the press chosen brings its fields), else its fixed declaration."""
+    method = REGISTRY[name]
+    params_for = getattr(method, "params_for", None)
+    return method.params if params_for is None else params_for(values)
 
 
 def _initial_values(spec: str) -> dict[str, object]:
@@ -59,12 +68,9 @@ def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> s
                                 f"**{n}**: {REGISTRY[n].summary}" for n in options if n in REGISTRY))
         if name == none_label:
             continue
-        values = {p.name: _param_widget(p, f"{prefix}{index}_{name}_{p.name}",
-                                        initial.get(f"{name}.{p.name}", p.default))
-                  for p in REGISTRY[name].params}
-        params_for = getattr(REGISTRY[name], "params_for", None)  # parameters that depend on earlier choices
-        try:
-            while params_for is not None and (later := [p for p in params_for(values) if p.name not in values]):
+        values: dict[str, object] = {}
+        try:  # one widget at a time: a method's later parameters may depend on earlier choices (kvpress_native)
+            while later := [p for p in _declared(name, values) if p.name not in values]:
                 param = later[0]
                 values[param.name] = _param_widget(param, f"{prefix}{index}_{name}_{param.name}",
                                                    initial.get(f"{name}.{param.name}", param.default))

@@ -130,3 +130,55 @@ def test_tail_risk_page_scores_each_method_and_shows_what_a_failure_lost():
     assert app.selectbox(key="tail_failure").options, "a 24-token window loses planted statements at 192 tokens"
     assert any("evicted" in str(c.value) for c in app.caption)
     assert [b.label for b in app.get("download_button")] == ["Runs as CSV", "Report as JSON"]
+
+
+def test_compare_page_says_what_native_presses_did_and_refuses_an_unmappable_one(monkeypatch):
+    monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")  # keys no prompt token has
+    specs = ["full", "kvpress_native:press=think,key_channel_compression_ratio=0.25",
+             "kvpress_native:press=merging,inner=knorm", "kvpress_native:press=keyscaling"]
+    app = page("2_Compare.py", m=specs, n="2")
+    app.text_area(key="compare_text").set_value("Name three colours of the rainbow.").run()
+    app.button[0].click().run()
+    assert not app.exception
+    assert "What the kvpress presses did" in texts(app.subheader)
+    said = " ".join(texts(app.markdown))
+    assert "Key channels kept per KV head: 48" in said and "evicted entries merged into" in said
+    assert [e.label for e in app.expander] == ["Key channels kept per layer x KV head",
+                                               "Which tokens were merged into which survivor, per layer x KV head"]
+    assert any("Not shown: kvpress keyscaling changed keys" in w for w in texts(app.warning))
+    assert app.dataframe[0].value["error"][3].startswith("kvpress keyscaling changed keys")
+    assert "kvpress_native:press=keyscaling" not in app.selectbox(key="kept_method").options
+
+
+def test_compare_draws_a_widget_per_press_field_and_runs_the_chosen_values():
+    """kvpress_native's widgets come from the chosen press's dataclass fields: switching the press redraws them with
+    that press's defaults, and the run's SPEC carries the values set in them."""
+    import dataclasses
+
+    import kvpress
+
+    app = page("2_Compare.py", m=["full", "window:window=16"], n="2")
+    app.text_area(key="compare_text").set_value("Name three colours of the rainbow.").run()
+    app.selectbox(key="cfg1_eviction").set_value("kvpress_native").run()
+    assert not app.exception and not app.error, texts(app.error)
+    fields = {f.name: f.default for f in dataclasses.fields(kvpress.SnapKVPress)}
+    assert app.selectbox(key="cfg1_kvpress_native_press").value == "snapkv"
+    assert app.number_input(key="cfg1_kvpress_native_window_size").value == fields["window_size"]
+    assert app.number_input(key="cfg1_kvpress_native_kernel_size").value == fields["kernel_size"]
+
+    app.selectbox(key="cfg1_kvpress_native_press").set_value("streamingllm").run()
+    drawn = {w.key: w for w in app.number_input if w.key.startswith("cfg1_kvpress_native_")}
+    assert set(drawn) == {"cfg1_kvpress_native_compression_ratio", "cfg1_kvpress_native_n_sink"}
+    sinks = next(f for f in dataclasses.fields(kvpress.StreamingLLMPress) if f.name == "n_sink")
+    assert drawn["cfg1_kvpress_native_n_sink"].value == sinks.default
+    assert "StreamingLLMPress.n_sink" in drawn["cfg1_kvpress_native_n_sink"].help
+    assert drawn["cfg1_kvpress_native_compression_ratio"].value == 0.5  # kvpress's 0 would compress nothing
+
+    drawn["cfg1_kvpress_native_n_sink"].set_value(2)
+    drawn["cfg1_kvpress_native_compression_ratio"].set_value(0.75).run()
+    app.button[0].click().run()
+    assert not app.exception and not app.error, texts(app.error)
+    spec = "kvpress_native:press=streamingllm,compression_ratio=0.75,n_sink=2"
+    assert list(app.dataframe[0].value["method"]) == ["full", spec]
+    assert app.query_params["m"] == ["full", spec]
+    assert app.selectbox(key="kept_method").options == [spec]  # its ledger: a quarter of the prompt kept

@@ -148,3 +148,16 @@ def test_peak_memory_sees_a_transient_allocation_on_cpu():
         block = torch.ones(50_000_000)  # 200 MB, freed before the block ends
         del block
     assert 150e6 < peak.peak < 400e6
+
+
+def test_kvpress_native_section_times_the_mapping_inside_one_run_too():
+    """Beside the run-against-run ratio (noisy on a shared machine), each press's native fork is timed against the
+    press's own forward inside the same run: never below 1x, since the fork contains that forward."""
+    loaded = bench.random_model("tiny", "cpu")
+    section = bench.run_bench(loaded, "quick", ("kvpress_native",)).sections[0]
+    assert not section.skipped, section.skipped
+    figures = {f.name: f for f in section.figures}
+    for press in ("snapkv", "knorm", "adakv"):
+        assert figures[f"{press}_native_vs_press"].target == "<= 1.2"
+        inside = figures[f"{press}_native_vs_own_forward"]
+        assert inside.target == "<= 1.2" and inside.value >= 1.0

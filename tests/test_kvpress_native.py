@@ -239,3 +239,33 @@ def test_row_matching_finds_kept_rows_exactly_and_changed_rows_nearest():
     found = match_rows(full, compressed)
     assert torch.equal(found.positions, positions)
     assert int((~found.exact).sum()) == 1 and not bool(found.exact[0, 1, 3])
+
+
+def test_compare_json_carries_what_channel_pruning_and_merging_did(tiny_model, tiny_ids):
+    comparison = compare(tiny_model, tiny_ids, ["kvpress_native:press=think,key_channel_compression_ratio=0.25",
+                                                "kvpress_native:press=merging,inner=knorm", "snapkv:budget=64"],
+                         max_new_tokens=2)
+    full, think, merging, own = comparison.to_json()["results"]
+    assert "kvpress_native" not in full and "kvpress_native" not in own
+    head_dim = tiny_model.config.head_dim
+    assert think["kvpress_native"]["channels_kept_per_head"] == [[head_dim - head_dim // 4] * 2] * 2
+    assert any("Key channels kept per KV head: 12" in line for line in think["kvpress_native"]["summary"])
+    report = merging["kvpress_native"]
+    merges = [triple for layer in report["merges"].values() for triple in layer]
+    assert report["merged_entries"] == len(merges) > 0 and report["merge_survivors"] > 0
+    kept = comparison.results[2].ledger.kept_mask(0)[..., : len(tiny_ids)]
+    layer = int(next(iter(report["merges"])))
+    assert all(bool(kept[layer, head, into]) and not bool(kept[layer, head, token])
+               for head, token, into in report["merges"][str(layer)])
+    assert any("merged into" in line for line in report["summary"])
+    brief = comparison.to_json(with_ledger=False)["results"][2]["kvpress_native"]
+    assert "merges" not in brief and brief["merged_entries"] == report["merged_entries"]
+
+
+def test_a_press_whose_rows_match_no_token_is_an_error_not_a_ledger(monkeypatch, tiny_model, tiny_ids):
+    monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")
+    comparison = compare(tiny_model, tiny_ids, ["kvpress_native:press=keyscaling"], max_new_tokens=2)
+    result = comparison.results[1]
+    assert "changed keys in layer 0" in result.error
+    assert result.ledger is None and result.native_report is None and result.kv_bytes == 0
+    assert "ledger" not in comparison.to_json()["results"][1]

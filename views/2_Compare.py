@@ -10,7 +10,7 @@ from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
-from kvviz_app.inputs import encode, method_output, prompt_input, token_texts
+from kvviz_app.inputs import encode, method_output, native_report, prompt_input, token_texts
 from kvviz_app.queue import run_comparison
 from kvviz_app.url import index_of, query_value, share_settings
 from kvviz_app.widgets import method_configurator, methods_of
@@ -109,6 +109,14 @@ st.dataframe(table, hide_index=True, width="stretch", column_config={
     "agreement": st.column_config.ProgressColumn("agreement", min_value=0.0, max_value=1.0, format="percent"),
     "compression": st.column_config.NumberColumn("compression", format="%.2fx"),
 })
+
+native = [r for r in results if r.native_report is not None or (r.error and r.method.startswith("kvpress_native"))]
+if native:
+    st.subheader("What the kvpress presses did")
+    st.caption("kvpress_native runs each press in kvpress's own hooks, then matches every row it left to the prompt "
+               "token it came from. Besides dropping rows, a press may change what it keeps:")
+    for result in native:
+        native_report(result)
 
 measured = [r for r in results if r.error is None]
 memory = pd.DataFrame([{

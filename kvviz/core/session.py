@@ -185,6 +185,7 @@ class PromptSession:
                                       self.card.stored_kv_bytes(total_tokens), value_dim),
             projection_bytes=sum(layer.storage.weight_bytes() for layer in cache.layers
                                  if isinstance(layer.storage, ArchitectureStorage)),
+            native_report=stack.eviction.report if stack.eviction is not None and stack.eviction.own_prefill else None,
         )
 
 

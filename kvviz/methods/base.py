@@ -292,6 +292,7 @@ class EvictionMethod(Method):
     why_not_with_architecture: ClassVar[str] = ""
     prefill_layer_inputs: ClassVar[bool] = False  # the method reads each attention layer's prefill input (kvpress)
     own_prefill: ClassVar[bool] = False  # the method runs the prompt itself (``run_prefill(session)``: kvpress native)
+    # and leaves what it found in ``report`` (carried into MethodResult.native_report)
     compresses_prompt_only: ClassVar[bool] = False  # True: the prompt is compressed once and nothing is evicted as
     # tokens arrive (SnapKV, kvpress presses), so a token-by-token stream (streaming perplexity) never compresses
 

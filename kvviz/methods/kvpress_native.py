@@ -231,20 +231,71 @@ class NativeReport:
     masked: bool = False
     blocked_entries: int = 0
 
-    def summary(self) -> str:
-        parts = [f"{self.press}: {self.exact_rows} rows exact, {self.nearest_rows} nearest"]
+    def merge_counts(self) -> tuple[int, int]:
+        """(evicted entries folded into a survivor, survivors that received at least one), over layers and heads."""
+        merged = received = 0
+        for targets in self.merged_into.values():
+            merged += int((targets >= 0).sum())
+            received += sum(int(targets[head][targets[head] >= 0].unique().numel())
+                            for head in range(targets.shape[0]))
+        return merged, received
+
+    def lines(self) -> list[str]:
+        """What the press did besides dropping rows, one plain sentence each (the app and the CLI print these)."""
+        found = [f"{self.exact_rows:,} bit-identical"] if self.exact_rows else []
+        if self.nearest_rows:
+            found.append(f"{self.nearest_rows:,} by the nearest key (at most {self.max_distance:.1e} apart)")
+        lines = ["Kept rows matched to prompt tokens: " + (", ".join(found) or "none") + "."]
         if self.rerotated:
-            parts.append("keys matched after undoing their re-rotation")
+            lines.append("Keys re-rotated by the press to close the gaps: the rotation was undone before matching; "
+                         "the cache holds the press's re-rotated keys.")
         if self.channels_kept is not None:
             flat = [c for layer in self.channels_kept for c in layer]
-            parts.append(f"key channels kept per head {min(flat)}-{max(flat)}")
+            spread = f"{min(flat)}" if min(flat) == max(flat) else f"{min(flat)}-{max(flat)}"
+            lines.append(f"Key channels kept per KV head: {spread} (the press zeroed the rest); every token stays.")
         if self.masked:
-            parts.append(f"head-wise: {self.blocked_entries} masked entries held blocked so each layer's KV heads "
-                         "share one length (kvpress holds every row and masks in place)")
+            lines.append(f"Head-wise: kvpress masks entries in place; {self.blocked_entries:,} masked entries are "
+                         "held blocked (never attended) so each layer's KV heads share one length.")
         if self.merged_into:
-            merged = sum(int((m >= 0).sum()) for m in self.merged_into.values())
-            parts.append(f"{merged} evicted entries merged into survivors")
-        return "; ".join(parts)
+            merged, received = self.merge_counts()
+            lines.append(f"{merged:,} evicted entries merged into {received:,} survivors in "
+                         f"{len(self.merged_into)} layers (each to its most key-similar survivor).")
+        if len(lines) == 1:
+            lines.append("Plain eviction: the press dropped rows and changed none.")
+        return lines
+
+    def summary(self) -> str:
+        return f"{self.press}: " + " ".join(self.lines())
+
+    def to_json(self, with_details: bool = True) -> dict:
+        """The report for ``--json``; ``with_details`` adds channels per layer x head and every merge."""
+        merged, received = self.merge_counts()
+        data: dict[str, Any] = {
+            "press": self.press,
+            "prompt_tokens": self.prompt_tokens,
+            "press_seconds": round(self.seconds, 4),
+            "rows_exact": self.exact_rows,
+            "rows_nearest": self.nearest_rows,
+            "max_key_distance": self.max_distance,
+            "keys_rerotated": self.rerotated,
+            "head_wise_masked": self.masked,
+            "blocked_entries": self.blocked_entries,
+            "merged_entries": merged,
+            "merge_survivors": received,
+            "summary": self.lines(),
+        }
+        if self.channels_kept is not None:
+            flat = [c for layer in self.channels_kept for c in layer]
+            data["channels_kept_min"], data["channels_kept_max"] = min(flat), max(flat)
+            if with_details:
+                data["channels_kept_per_head"] = self.channels_kept  # [layers][kv_heads]
+        if with_details and self.merged_into:
+            data["merges"] = {  # layer -> [kv_head, evicted token, survivor it was folded into]
+                str(layer): [[head, token, int(targets[head, token])]
+                             for head in range(targets.shape[0])
+                             for token in (targets[head] >= 0).nonzero().flatten().tolist()]
+                for layer, targets in self.merged_into.items()}
+        return data
 
 
 @dataclass
