@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
-from kvviz.core.cache import KVCache
+from kvviz.core.cache import FirstUpdateLayer, KVCache
 from kvviz.core.capture import listening, padded_keys, take_padded_keys
 from kvviz.core.faults import is_out_of_memory
 from kvviz.core.replay import DecodeTrace, Progress, Sampling
@@ -57,7 +57,7 @@ class Row:
         return self.stack.label
 
 
-class BatchLayer(CacheLayerMixin):
+class BatchLayer(FirstUpdateLayer):
     """One decoder layer across the rows: each row's own layer does the work; this one pads and stacks."""
 
     is_sliding = False
@@ -69,9 +69,6 @@ class BatchLayer(CacheLayerMixin):
         self.lengths: list[int] = []  # each row's key count in the forward under way
         self.mask: torch.Tensor | None = None  # [N, 1, 1, L], True on real keys; None when no row is padded
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
         if not self.is_initialized:

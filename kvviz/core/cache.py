@@ -32,7 +32,15 @@ class Rerotation:
     sin: torch.Tensor
 
 
-class KVLayer(CacheLayerMixin):
+class FirstUpdateLayer(CacheLayerMixin):
+    """A transformers cache layer that learns its dtype and device from the first keys it is given."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+
+class KVLayer(FirstUpdateLayer):
     """One layer's cache: a storage, the positions of its entries, and the eviction method's state."""
 
     is_sliding = False
@@ -50,9 +58,6 @@ class KVLayer(CacheLayerMixin):
         self.blocked: torch.Tensor | None = None  # [B, H_kv, T] entries held but never attended (see block)
 
     # -- transformers' layer protocol -------------------------------------------------------------------------
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
         if not self.is_initialized:
