@@ -37,3 +37,13 @@ def share_settings(**values: object) -> None:
 def index_of(options: Sequence[object], value: object) -> int:
     """Where ``value`` (often from the URL) sits among a widget's options; 0, the first option, when absent."""
     return list(options).index(value) if value in options else 0
+
+
+def query_choices(name: str, default: list, options: Sequence[object], cast: Callable[[str], object]) -> list:
+    """A multi-choice setting from the URL's repeated ``name`` keys, restricted to the offered options; ``default``
+    when absent or unreadable."""
+    try:
+        values = [cast(v) for v in st.query_params.get_all(name)]
+    except ValueError:
+        values = []
+    return [v for v in values if v in options] or default

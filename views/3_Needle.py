@@ -9,7 +9,7 @@ from kvviz.runs import NeedleRequest
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.queue import run_request
-from kvviz_app.url import index_of, query_value, share_settings
+from kvviz_app.url import index_of, query_choices, query_value, share_settings
 from kvviz_app.widgets import method_configurator
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
@@ -23,21 +23,11 @@ page_header("Needle", "Needle in a haystack",
 
 loaded = require_model()
 
-
-def url_numbers(name: str, default: list, options: list, cast: type) -> list:
-    """A list setting from repeated URL keys, restricted to the offered options."""
-    try:
-        values = [cast(v) for v in st.query_params.get_all(name)]
-    except ValueError:
-        values = []
-    return [v for v in values if v in options] or default
-
-
 with st.sidebar:
     st.subheader("Grid")
-    lengths = st.multiselect("Prompt lengths (tokens)", LENGTHS, url_numbers("len", [128, 256], LENGTHS, int),
+    lengths = st.multiselect("Prompt lengths (tokens)", LENGTHS, query_choices("len", [128, 256], LENGTHS, int),
                              key="lengths")
-    depths = st.multiselect("Needle depths", DEPTHS, url_numbers("depth", [0.1, 0.5, 0.9], DEPTHS, float),
+    depths = st.multiselect("Needle depths", DEPTHS, query_choices("depth", [0.1, 0.5, 0.9], DEPTHS, float),
                             format_func=lambda d: f"{d:.0%}", key="depths")
     trials = st.number_input("Trials per cell (different keys and filler)", 1, 5, query_value("trials", 1),
                              key="trials")

@@ -64,6 +64,16 @@ def reference_check(run: LessonRun, full: MethodResult) -> bool:
     return False
 
 
+def run_and_show(run: LessonRun) -> Comparison | None:
+    """The step's run with its outputs side by side and whether full gave the calibrated answer; None when the
+    prompt cannot run (the reason shown)."""
+    comparison = comparison_of(run)
+    if comparison is not None:
+        outputs(comparison)
+        reference_check(run, comparison.results[0])
+    return comparison
+
+
 def outputs(comparison: Comparison) -> None:
     """Each method's output side by side with the divergence from full marked, then the numbers."""
     columns = st.columns(len(comparison.results))
@@ -133,12 +143,10 @@ cache on the same question.
 """)
     run = RUNS["levers"]
     if live("Compare the levers"):
-        comparison = comparison_of(run)
+        comparison = run_and_show(run)
         if comparison is None:
             return
-        outputs(comparison)
-        full, *others = comparison.results
-        reference_check(run, full)
+        _, *others = comparison.results
         memory = pd.DataFrame([{"method": r.method, "codes": r.kv_breakdown.codes,
                                 "metadata": r.kv_breakdown.metadata, "full_precision": r.kv_breakdown.full_precision,
                                 "formula": r.kv_bytes_full} for r in comparison.results if r.error is None])
@@ -172,12 +180,10 @@ sink tokens next to the window (the StreamingLLM recipe) avoids that.
         st.metric("Attention on the first 4 tokens (mean over layers)", f"{share:.0%}",
                   delta=f"they are {4 / len(ids):.0%} of the prompt", delta_color="off", delta_arrow="off")
         st.markdown("The same 40-token budget without sinks (`window`) and with 4 of them (`streaming_llm`):")
-        comparison = comparison_of(run)
+        comparison = run_and_show(run)
         if comparison is None:
             return
-        outputs(comparison)
-        full, window, streaming = comparison.results
-        reference_check(run, full)
+        _, window, streaming = comparison.results
         notice(f"the first 4 of {len(ids)} tokens receive {share:.0%} of the attention. With the same 40 tokens "
                f"cached, the window without them {answered(window, run.expected)} "
                f"(agreement with full {window.agreement_with_full or 0:.0%}), the window with them "
@@ -236,12 +242,10 @@ precision.
 """)
     run = RUNS["needle"]
     if live("Hide the needle"):
-        comparison = comparison_of(run)
+        comparison = run_and_show(run)
         if comparison is None:
             return
-        outputs(comparison)
-        full, *others = comparison.results
-        reference_check(run, full)
+        _, *others = comparison.results
         ids = comparison.prompt_ids
         needle = span_of(loaded.tokenizer, ids, NEEDLE_CODE)
         tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)

@@ -12,7 +12,7 @@ from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import token_texts
 from kvviz_app.queue import run_request
-from kvviz_app.url import index_of, query_value, share_settings
+from kvviz_app.url import index_of, query_choices, query_value, share_settings
 from kvviz_app.widgets import method_configurator
 
 LENGTHS = [192, 256, 384, 512, 1024, 2048]  # multikey and multivalue need more than 128 tokens
@@ -26,33 +26,24 @@ page_header("Tail risk", "Tail risk: what the single needle does not show",
 
 loaded = require_model()
 
-
-def url_list(name: str, default: list, options: list, cast: type) -> list:
-    """A list setting from repeated URL keys, restricted to the offered options."""
-    try:
-        values = [cast(v) for v in st.query_params.get_all(name)]
-    except ValueError:
-        values = []
-    return [v for v in values if v in options] or default
-
-
 with st.sidebar:
     st.subheader("Tasks")
-    tasks = st.multiselect("Task families", list(TASKS), url_list("task", list(TASKS), list(TASKS), str),
+    tasks = st.multiselect("Task families", list(TASKS), query_choices("task", list(TASKS), list(TASKS), str),
                            key="tail_tasks")
-    lengths = st.multiselect("Prompt lengths (tokens)", LENGTHS, url_list("len", [256], LENGTHS, int),
+    lengths = st.multiselect("Prompt lengths (tokens)", LENGTHS, query_choices("len", [256], LENGTHS, int),
                              key="tail_lengths")
-    depths = st.multiselect("Depth of the first planted statement", DEPTHS, url_list("depth", [0.25], DEPTHS, float),
-                            format_func=lambda d: f"{d:.0%}", key="tail_depths")
+    depths = st.multiselect("Depth of the first planted statement", DEPTHS,
+                            query_choices("depth", [0.25], DEPTHS, float), format_func=lambda d: f"{d:.0%}",
+                            key="tail_depths")
     hop_options = list(range(1, MAX_HOPS + 1))
-    hops = st.multiselect("vartrack hops (k)", hop_options, url_list("hops", [1, 2], hop_options, int),
+    hops = st.multiselect("vartrack hops (k)", hop_options, query_choices("hops", [1, 2], hop_options, int),
                           key="tail_hops", help="A chain of k assignments; k=1 is a single needle.")
     mode_default = query_value("mode", "query_aware", str)
     mode = st.radio("Mode", list(MODES), index=index_of(MODES, mode_default),
                     key="tail_mode", help="query_aware compresses the prompt with the question in it; query_agnostic "
                                           "compresses the context alone and asks afterwards.")
     protect = st.multiselect("Also run each eviction method protecting", list(PROTECT),
-                             url_list("protect", ["system"], list(PROTECT), str), key="tail_protect",
+                             query_choices("protect", ["system"], list(PROTECT), str), key="tail_protect",
                              help="system: the system turn (the instructions); planted: every planted statement "
                                   "(an oracle). Protected tokens are kept on top of the method's budget.")
     count = st.number_input("Methods", 1, MAX_CONFIGS, min(MAX_CONFIGS, len(st.query_params.get_all("m")) or 2),
