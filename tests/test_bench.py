@@ -30,6 +30,7 @@ def test_quick_bench_reports_every_section(real_model):
     assert "replay_vs_generate" in figures["replay_vs_generate"]
     assert any(name.startswith("stats_growth@") for name in figures["capture"])
     assert "worst" in figures["kv_bytes"]
+    assert {"student_comparison", "class_mix_wait_p95", "class_issue_wait_p95"} <= figures["classroom"]
     by_name = {s.name: {f.name: f for f in s.figures} for s in report.sections}
     assert by_name["shared_prefill"]["same_tokens_as_independent"].passed
     assert by_name["replay_vs_generate"]["same_tokens"].passed
@@ -51,11 +52,15 @@ def test_cli_bench_on_a_random_model_writes_json(tmp_path, capsys):
     assert "| shared_prefill |" in capsys.readouterr().out
 
 
-def test_gpu_check_dry_run_runs_the_script_on_the_cpu(tmp_path):
-    """The GPU script's own command line, checked here so a lent GPU's few minutes are not spent on a broken script."""
+def test_gpu_check_dry_run_runs_the_script_on_the_cpu(tmp_path, real_model):
+    """The GPU script's own command lines, checked here so a lent GPU's few minutes are not spent on a broken script:
+    the bench, then (given the tokenizer a GPU machine lacks) every lesson step and the class-of-30 projection."""
     out = tmp_path / "gpu.json"
+    tokenizer = tmp_path / "tokenizer"
+    real_model.tokenizer.save_pretrained(tokenizer)
     script = Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
-    done = subprocess.run(["bash", str(script), "--dry-run", str(out)], env={**os.environ, "PYTHON": sys.executable},
+    done = subprocess.run(["bash", str(script), "--dry-run", str(out)],
+                          env={**os.environ, "PYTHON": sys.executable, "KVVIZ_TOKENIZER": str(tokenizer)},
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(out.read_text())
@@ -63,6 +68,12 @@ def test_gpu_check_dry_run_runs_the_script_on_the_cpu(tmp_path):
     assert [s["name"] for s in data["sections"]] == list(bench.SECTIONS)
     assert not [s["name"] for s in data["sections"] if (s["skipped"] or "").startswith("failed")]
     assert "| capture | stats_growth@64->128 |" in done.stdout
+    classroom = json.loads((tmp_path / "gpu_classroom.json").read_text())["sections"][0]
+    figures = {f["name"]: f["value"] for f in classroom["figures"]}
+    assert all(figures[f"lesson_{step}_cold"] > 0 for step in range(1, 7)), figures
+    mix = figures["lesson_1_cold"] + 25 * figures["student_comparison"]
+    assert figures["class_mix_all_done"] == pytest.approx(mix, rel=0.01), "figures are rounded to 4 decimals"
+    assert figures["class_issue_all_done"] == pytest.approx(30 * figures["issue_comparison"], rel=1e-3)
 
 
 def test_cli_bench_refuses_unknown_sections(capsys):

@@ -231,6 +231,21 @@ def test_unimportable_own_press_is_one_line():
         load_press_class("no_such_package.Press")
 
 
+def test_a_broken_press_setting_costs_only_itself_and_the_config_check_names_it(monkeypatch, capsys):
+    """One unimportable entry in KVVIZ_PRESSES: the other presses (kvpress's and the good own one) still run, asking
+    for a missing press says what is wrong with the setting, and ``python -m kvviz config`` (the container's start
+    check) refuses it."""
+    from kvviz.cli import main
+
+    monkeypatch.setenv("KVVIZ_PRESSES", f"no_such_package.Press,{__name__}.OwnPress")
+    assert {"everyothertoken", "snapkv"} <= set(press_catalog())
+    parse_spec("kvpress_native:press=snapkv")
+    with pytest.raises(SpecError, match="KVVIZ_PRESSES: press 'no_such_package.Press' cannot be imported"):
+        parse_spec("kvpress_native:press=press")
+    assert main(["config"]) == 2
+    assert "no_such_package.Press" in capsys.readouterr().err
+
+
 def test_row_matching_finds_kept_rows_exactly_and_changed_rows_nearest():
     full = torch.randn(1, 2, 50, 8, generator=torch.Generator().manual_seed(0))
     positions = torch.stack([torch.randperm(50)[:20] for _ in range(2)]).unsqueeze(0)

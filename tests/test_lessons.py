@@ -1,10 +1,16 @@
 """The Lessons page's material: every step's reference (the full cache) gives the right answer on the default model,
 and the settings produce the contrast the step teaches."""
 
+from pathlib import Path
+
 import pytest
+from streamlit.testing.v1 import AppTest
 
 from kvviz.core.session import compare
-from kvviz.lessons import NEEDLE_CODE, RUNS, is_filler_token, span_of
+from kvviz.lessons import NEEDLE_CODE, RUNS, is_filler_token, span_of, step_requests
+from kvviz.runs import CompareRequest
+
+LESSONS_PAGE = Path(__file__).resolve().parents[1] / "views" / "5_Lessons.py"
 
 
 @pytest.mark.parametrize("name", [name for name, run in RUNS.items() if run.expected])
@@ -35,3 +41,32 @@ def test_needle_position_and_filler_words(real_model):
 def test_links_carry_the_same_settings():
     link = RUNS["sinks"].link()
     assert link.startswith("Compare?") and "m=window%3Awindow%3D40" in link and "n=32" in link and "prompt=" in link
+
+
+class _Stopped(Exception):
+    """Raised instead of running a comparison: the test needs the request, not its result."""
+
+
+def test_each_step_runs_the_requests_the_bench_times(real_model, monkeypatch):
+    """The classroom bench section (and scripts/gpu_check.sh) time ``step_requests``; the page must run exactly those.
+    Attention requests run for real (short prompts), comparisons are recorded and stopped."""
+    from kvviz_app import queue
+
+    asked = []
+
+    def record(loaded, request, *args, **kwargs):
+        asked.append(request)
+        if isinstance(request, CompareRequest):
+            raise _Stopped
+        return request.compute(loaded)
+
+    monkeypatch.setattr(queue, "run_request", record)
+    expected = step_requests(real_model)
+    for number, (key, requests) in enumerate(expected.items(), 1):
+        asked.clear()
+        app = AppTest.from_file(str(LESSONS_PAGE), default_timeout=300)
+        app.query_params["step"] = str(number)
+        app.run()
+        app.button(key=f"lesson_button_{number}").click().run()
+        assert tuple(asked) == requests, f"step {number} ({key})"
+    assert len(expected) == len(app.radio(key="step").options), "every step of the page is timed"

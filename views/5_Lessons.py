@@ -9,13 +9,13 @@ from collections.abc import Callable
 import pandas as pd
 import streamlit as st
 
-from kvviz.lessons import NEEDLE_CODE, RUNS, LessonRun, is_filler_token, span_of
+from kvviz.lessons import NEEDLE_CODE, RUNS, SINKS, LessonRun, attention_request, axes_run, is_filler_token, span_of
 from kvviz.planning.memory import model_card
 from kvviz.results import Comparison, MethodResult
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import encode, method_output, token_texts
-from kvviz_app.queue import attention_stats, run_comparison
+from kvviz_app.queue import run_request
 from kvviz_app.url import query_value, share_settings
 
 STEPS: list[tuple[str, Callable[[], None]]] = []
@@ -49,7 +49,7 @@ def open_elsewhere(run: LessonRun, label: str | None = None) -> None:
 
 def comparison_of(run: LessonRun) -> Comparison | None:
     ids = encode(loaded, run.prompt, run.chat, run.max_new_tokens)
-    return None if ids is None else run_comparison(loaded, ids, list(run.specs), run.max_new_tokens)
+    return None if ids is None else run_request(loaded, run.request(ids), "Starting…")
 
 
 def reference_check(run: LessonRun, full: MethodResult) -> bool:
@@ -173,23 +173,23 @@ sink tokens next to the window (the StreamingLLM recipe) avoids that.
         ids = encode(loaded, run.prompt, run.chat)
         if ids is None:
             return
-        stats = attention_stats(loaded, ids, card.layers // 2, 4)
+        stats = run_request(loaded, attention_request(loaded, ids), "Running the prompt…")
         per_layer = stats.sink_mass_per_layer()
-        st.plotly_chart(plots.sink_mass_figure(per_layer, 4), width="stretch")
+        st.plotly_chart(plots.sink_mass_figure(per_layer, SINKS), width="stretch")
         share = sum(per_layer) / len(per_layer)
-        st.metric("Attention on the first 4 tokens (mean over layers)", f"{share:.0%}",
-                  delta=f"they are {4 / len(ids):.0%} of the prompt", delta_color="off", delta_arrow="off")
+        st.metric(f"Attention on the first {SINKS} tokens (mean over layers)", f"{share:.0%}",
+                  delta=f"they are {SINKS / len(ids):.0%} of the prompt", delta_color="off", delta_arrow="off")
         st.markdown("The same 40-token budget without sinks (`window`) and with 4 of them (`streaming_llm`):")
         comparison = run_and_show(run)
         if comparison is None:
             return
         _, window, streaming = comparison.results
-        notice(f"the first 4 of {len(ids)} tokens receive {share:.0%} of the attention. With the same 40 tokens "
+        notice(f"the first {SINKS} of {len(ids)} tokens receive {share:.0%} of the attention. With the same 40 tokens "
                f"cached, the window without them {answered(window, run.expected)} "
                f"(agreement with full {window.agreement_with_full or 0:.0%}), the window with them "
                f"{answered(streaming, run.expected)} (agreement {streaming.agreement_with_full or 0:.0%}).")
         open_elsewhere(run)
-        open_elsewhere(LessonRun(run.prompt, chat=run.chat, page="Attention", extra={"sinks": 4}),
+        open_elsewhere(LessonRun(run.prompt, chat=run.chat, page="Attention", extra={"sinks": SINKS}),
                        "See where this prompt's attention goes in Attention →")
 
 
@@ -210,11 +210,12 @@ first four tokens (the sinks) are left out of the colour scale so the heavy hitt
         ids = encode(loaded, run.prompt, run.chat)
         if ids is None:
             return
-        stats = attention_stats(loaded, ids, card.layers // 2, 4, every_layer=True)
-        scores = sum(plots.received_attention(stats.key_attention[k], 4) for k in stats.key_attention)
+        stats = run_request(loaded, attention_request(loaded, ids, every_layer=True),
+                            "Summing attention over every layer…")
+        scores = sum(plots.received_attention(stats.key_attention[k], SINKS) for k in stats.key_attention)
         tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)
         st.html(plots.token_shading_html(tokens, scores))
-        ranked = sorted(range(4, len(ids)), key=lambda i: -scores[i])
+        ranked = sorted(range(SINKS, len(ids)), key=lambda i: -scores[i])
         top = ranked[:8]
         st.caption("Most attended (after the sinks): " + ", ".join(f"`{tokens[i].strip() or '↵'}` (#{i})"
                                                                    for i in top))
@@ -275,9 +276,6 @@ precision.
 @step("6 · Three axes, one budget")
 def three_axes() -> None:
     """Step 6: one share of the full cache spent on heads, on a latent, on tokens or on bits, measured live."""
-    from kvviz.quality.needle import build_needle_prompt
-    from kvviz.quality.three_axes import budget_specs
-
     st.markdown("""
 The families of step 2 are three independent knobs: **fewer KV heads** (or a low-rank latent, MLA's idea), **fewer
 tokens** (eviction) and **fewer bits** (quantization). Their savings multiply: bytes = full × heads × tokens × bits.
@@ -289,11 +287,11 @@ shows what converting a model after the fact costs. The prompt hides a pass key 
 """)
     share = st.select_slider("Share of the full cache", [0.25, 1 / 3, 0.5, 2 / 3], value=1 / 3,
                              format_func=lambda f: f"{f:.0%}", key="lesson_axes_share")
-    axes = budget_specs(card, share)
+    run = axes_run(loaded, share)
+    axes, prompt = run.axes, run.prompt
     st.caption(" · ".join(f"{axis}: `{spec}`" for axis, spec in axes.items()))
     if live("Spend the budget three ways"):
-        prompt = build_needle_prompt(loaded.tokenizer, 384, 0.5)
-        comparison = run_comparison(loaded, prompt.ids, ["full", *axes.values()], 12)  # "The pass key is NNNNN"
+        comparison = run_request(loaded, run.request(), "Starting…")
         outputs(comparison)
         label = {spec: axis for axis, spec in axes.items()}
         st.dataframe(pd.DataFrame([{

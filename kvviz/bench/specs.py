@@ -5,6 +5,14 @@ from __future__ import annotations
 from kvviz.methods import REGISTRY, budget_spec
 
 KIVI = "kivi:bits=2,group=32,residual=128"
+# issue 13's comparison, as a student runs it on Compare: six configurations (on a 2K-token upload)
+APP_SPECS = ("full", "streaming_llm:sinks=4,window=252", "snapkv:budget=256", "h2o:heavy=128,recent=128",
+             "kivi:bits=2", "snapkv:budget=256+kivi:bits=2")
+
+
+def app_specs(prompt: int) -> tuple[str, ...]:
+    """The issue's six configurations for a prompt of 1K tokens or more; three small ones for quick runs."""
+    return APP_SPECS if prompt >= 1024 else ("full", "window:window=16", "kivi:bits=2")
 
 
 def evictions() -> list[str]:

@@ -44,12 +44,15 @@ PRESETS: dict[str, dict] = {
 FALLBACK_TEXT = "The lighthouse keeper kept a logbook of the wind, the swell and the birds for forty years. "
 
 
-def random_model(spec: str, device: str | None = None, dtype: str | None = None) -> LoadedModel:
+def random_model(spec: str, device: str | None = None, dtype: str | None = None,
+                 tokenizer: str | None = None) -> LoadedModel:
     """A random-weight causal LM of a preset's shape or a config given as JSON text or a JSON file.
 
-    Built directly on the target device in the target dtype (bf16 on CUDA), so an 8B shape needs no CPU copy.
+    Built directly on the target device in the target dtype (bf16 on CUDA), so an 8B shape needs no CPU copy. With
+    ``tokenizer`` (a folder from ``python -m kvviz prepare --tokenizer-out``) it gets that tokenizer, its vocabulary
+    widened to fit, so sections that tokenize text (lessons, needle) run on it too.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvviz.core.capture import install_attention
 
@@ -62,6 +65,9 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None)
             fields = json.loads(spec)
         except json.JSONDecodeError:
             raise ValueError(f"--random-model: use a preset ({', '.join(PRESETS)}), a JSON file or JSON text") from None
+    text_tokenizer = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
+    if text_tokenizer is not None:
+        fields["vocab_size"] = max(fields.get("vocab_size", 0), len(text_tokenizer))
     config = AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)
     device = resolve_device(device)
     torch_dtype = resolve_dtype(device, dtype)
@@ -70,7 +76,7 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None)
         model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
     model.generation_config.eos_token_id = None
     install_attention(model)
-    return LoadedModel(name=f"random:{spec if spec in PRESETS else 'config'}", model=model, tokenizer=None,
+    return LoadedModel(name=f"random:{spec if spec in PRESETS else 'config'}", model=model, tokenizer=text_tokenizer,
                        device=device, dtype=torch_dtype)
 
 

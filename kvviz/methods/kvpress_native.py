@@ -54,17 +54,29 @@ def press_name(cls: type) -> str:
     return (name[: -len("Press")] if name.endswith("Press") and name != "Press" else name).lower()
 
 
-def _custom_presses() -> dict[str, type]:
-    """Presses named by the server setting ``KVVIZ_PRESSES`` (dotted paths), when the settings allow them."""
+def _custom_presses() -> tuple[dict[str, type], list[str]]:
+    """Presses named by the server setting ``KVVIZ_PRESSES`` (dotted paths), when the settings allow them, and one
+    line per entry that cannot be loaded: a broken entry costs only itself, every other press stays available."""
     from kvviz.core.config import Settings
 
     settings = Settings.from_env()
     found: dict[str, type] = {}
+    problems: list[str] = []
     if not settings.custom_presses_allowed:
-        return found
+        return found, problems
     for path in settings.presses:
-        found[press_name(load_press_class(path))] = load_press_class(path)
-    return found
+        try:
+            cls = load_press_class(path)
+        except SpecError as error:
+            problems.append(f"KVVIZ_PRESSES: {error}")
+            continue
+        found[press_name(cls)] = cls
+    return found, problems
+
+
+def custom_press_problems() -> list[str]:
+    """The server's ``KVVIZ_PRESSES`` entries that cannot be offered, one line each (what the app warns about)."""
+    return _custom_presses()[1]
 
 
 def load_press_class(path: str) -> type:
@@ -96,7 +108,7 @@ def kvpress_classes() -> dict[str, type]:
 
 def press_catalog() -> dict[str, type]:
     """kvpress's presses plus the server's own (``KVVIZ_PRESSES``), by SPEC name."""
-    return {**kvpress_classes(), **_custom_presses()}
+    return {**kvpress_classes(), **_custom_presses()[0]}
 
 
 # -- parameters from the press's dataclass fields ---------------------------------------------------------------
@@ -359,7 +371,8 @@ class KVPressNative(EvictionMethod):
         catalog = press_catalog()
         name = str(values.get("press", "snapkv"))
         if name not in catalog:
-            raise SpecError(f"unknown kvpress press '{name}'; valid: {', '.join(sorted(catalog))}")
+            raise SpecError("; ".join([f"unknown kvpress press '{name}'; valid: {', '.join(sorted(catalog))}",
+                                       *custom_press_problems()]))
         press_class = catalog[name]
         if press_class.__name__ in NEEDS_DOWNLOAD:
             raise SpecError(f"kvpress {name} {NEEDS_DOWNLOAD[press_class.__name__]}: not available offline")

@@ -16,13 +16,10 @@ from pathlib import Path
 
 from kvviz.bench.browser import CHROMIUM_ARGS, chromium_path, served_app, settle
 from kvviz.bench.harness import BenchRun, Section, bench_section
+from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import prompt_tokens
 from kvviz.core.models import LoadedModel
 from kvviz.core.session import compare, encode_prompt
-
-# the comparison: six configurations on a 2K-token upload
-APP_SPECS = ("full", "streaming_llm:sinks=4,window=252", "snapkv:budget=256", "h2o:heavy=128,recent=128",
-             "kivi:bits=2", "snapkv:budget=256+kivi:bits=2")
 
 
 def upload_prompt_text(loaded: LoadedModel, tokens: int) -> str:
@@ -125,7 +122,7 @@ def app(run: BenchRun) -> Section:
 
     text = upload_prompt_text(loaded, sizes.app_prompt)
     ids = encode_prompt(loaded.tokenizer, text, chat=True)
-    specs = list(APP_SPECS) if sizes.app_prompt >= 1024 else ["full", "window:window=16", "kivi:bits=2"]
+    specs = list(app_specs(sizes.app_prompt))
     timeout = 1800.0
     engine = []
 

@@ -1,0 +1,79 @@
+"""A class on one server: every lesson step and a student's runs timed through the engine on this device, and the
+wait a class of 30 would see here, projected from those per-run times (:mod:`kvviz.planning.classroom`).
+
+No browser: the requests are the ones the pages run (``kvviz.lessons.step_requests``, Compare's
+``CompareRequest``), so the section runs wherever the model does, a GPU included (``scripts/gpu_check.sh`` runs it
+on a random-weight model of SmolLM2's shape with the real tokenizer). On the CPU, ``tests/test_load.py`` measures
+the first projection's class through real Streamlit sessions.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from kvviz.bench.harness import BenchRun, Section, bench_section, timed
+from kvviz.bench.specs import app_specs
+from kvviz.bench.workloads import fit, prompt_tokens
+from kvviz.core.models import LoadedModel
+from kvviz.core.session import encode_prompt
+from kvviz.lessons import step_requests
+from kvviz.planning.classroom import ClassRun, ClassWait, project_class
+from kvviz.runs import CompareRequest, RunRequest
+
+STUDENTS = 30
+LESSON_STUDENTS = 5  # as in the load test: five students on Lessons step 1 share one run, the others compare
+STUDENT_SPECS = ("full", "window:window=12")  # the load test's short comparison
+STUDENT_PROMPTS = ("Name two planets.", "Name three rivers.", "Name four birds.")
+STUDENT_TOKENS = 3
+
+
+def _seconds(loaded: LoadedModel, requests: tuple[RunRequest, ...]) -> float:
+    """Wall seconds of the requests' computations, one after another, as a cold page runs them."""
+    return sum(timed(loaded.device, lambda r=request: r.compute(loaded))[0] for request in requests)
+
+
+def _student_request(loaded: LoadedModel, prompt: str) -> CompareRequest:
+    ids = (encode_prompt(loaded.tokenizer, prompt, chat=True) if loaded.tokenizer is not None
+           else prompt_tokens(loaded, 32))
+    return CompareRequest(tuple(ids), STUDENT_SPECS, STUDENT_TOKENS)
+
+
+def _add_projection(section: Section, name: str, wait: ClassWait, what: str) -> None:
+    section.add(f"{name}_wait_p50", wait.wait_p50, "s", note=f"{what}: {wait.runs} runs for {wait.students} students")
+    section.add(f"{name}_wait_p95", wait.wait_p95, "s")
+    section.add(f"{name}_all_done", wait.done, "s", note="until the last student has a result")
+
+
+@bench_section("classroom")
+def classroom(run: BenchRun) -> Section:
+    """Lesson steps cold, a student's short comparison and the issue's comparison per run; class-of-30 waits."""
+    loaded, sizes, log = run.loaded, run.sizes, run.log
+    section = Section("classroom", "a class of 30 on this device: per-run times and the projected waits")
+    _seconds(loaded, (_student_request(loaded, STUDENT_PROMPTS[0]),))  # warm-up: a server has run before
+    lesson_one = None
+    if loaded.tokenizer is None:
+        section.add("lesson_steps", 0, note="needs a tokenizer (--tokenizer DIR with --random-model)")
+    elif sizes.app_lessons:
+        for number, (key, requests) in enumerate(step_requests(loaded).items(), 1):
+            log(f"  lesson step {number} ({key}), cold")
+            seconds = _seconds(loaded, requests)
+            lesson_one = seconds if number == 1 else lesson_one
+            section.add(f"lesson_{number}_cold", seconds, "s", note=f"{key}: {len(requests)} engine run(s)")
+
+    log(f"  a student's comparison ({', '.join(STUDENT_SPECS)}, {STUDENT_TOKENS} tokens)")
+    student = statistics.median(_seconds(loaded, (_student_request(loaded, p),)) for p in STUDENT_PROMPTS)
+    section.add("student_comparison", student, "s", note=f"median of {len(STUDENT_PROMPTS)} prompts")
+    runs = [ClassRun("student comparison", student) for _ in range(STUDENTS - LESSON_STUDENTS)]
+    if lesson_one is not None:
+        runs.insert(0, ClassRun("lesson step 1", lesson_one, LESSON_STUDENTS))
+    _add_projection(section, "class_mix", project_class(runs),
+                    "25 short comparisons" + (" + Lessons step 1 shared by 5" if lesson_one is not None else ""))
+
+    prompt = fit(loaded, sizes.app_prompt)
+    specs = app_specs(prompt)
+    log(f"  the issue's comparison: {len(specs)} configurations, {prompt} prompt tokens, {sizes.app_tokens} new")
+    seconds = _seconds(loaded, (CompareRequest(tuple(prompt_tokens(loaded, prompt)), specs, sizes.app_tokens),))
+    section.add("issue_comparison", seconds, "s", note=f"{len(specs)} configurations, {prompt} prompt tokens")
+    _add_projection(section, "class_issue", project_class([ClassRun("issue comparison", seconds)] * STUDENTS),
+                    f"every student runs the issue's comparison on their own {prompt}-token upload")
+    return section
