@@ -75,7 +75,8 @@ def _custom_presses() -> tuple[dict[str, type], list[str]]:
 
 
 def custom_press_problems() -> list[str]:
-    """The server's ``KVVIZ_PRESSES`` entries that cannot be offered, one line each (what the app warns about)."""
+    """The server's ``KVVIZ_PRESSES`` entries that cannot be offered, one line each (``kvviz config`` refuses them,
+    and asking for a press that is not there says so)."""
     return _custom_presses()[1]
 
 

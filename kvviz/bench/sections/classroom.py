@@ -50,24 +50,24 @@ def classroom(run: BenchRun) -> Section:
     loaded, sizes, log = run.loaded, run.sizes, run.log
     section = Section("classroom", "a class of 30 on this device: per-run times and the projected waits")
     _seconds(loaded, (_student_request(loaded, STUDENT_PROMPTS[0]),))  # warm-up: a server has run before
-    lesson_one = None
+    lessons: list[float] = []
     if loaded.tokenizer is None:
         section.add("lesson_steps", 0, note="needs a tokenizer (--tokenizer DIR with --random-model)")
     elif sizes.app_lessons:
         for number, (key, requests) in enumerate(step_requests(loaded).items(), 1):
             log(f"  lesson step {number} ({key}), cold")
-            seconds = _seconds(loaded, requests)
-            lesson_one = seconds if number == 1 else lesson_one
-            section.add(f"lesson_{number}_cold", seconds, "s", note=f"{key}: {len(requests)} engine run(s)")
+            lessons.append(_seconds(loaded, requests))
+            section.add(f"lesson_{number}_cold", lessons[-1], "s", note=f"{key}: {len(requests)} engine run(s)")
 
     log(f"  a student's comparison ({', '.join(STUDENT_SPECS)}, {STUDENT_TOKENS} tokens)")
     student = statistics.median(_seconds(loaded, (_student_request(loaded, p),)) for p in STUDENT_PROMPTS)
     section.add("student_comparison", student, "s", note=f"median of {len(STUDENT_PROMPTS)} prompts")
     runs = [ClassRun("student comparison", student) for _ in range(STUDENTS - LESSON_STUDENTS)]
-    if lesson_one is not None:
-        runs.insert(0, ClassRun("lesson step 1", lesson_one, LESSON_STUDENTS))
+    if lessons:
+        runs.insert(0, ClassRun("lesson step 1", lessons[0], LESSON_STUDENTS))
     _add_projection(section, "class_mix", project_class(runs),
-                    "25 short comparisons" + (" + Lessons step 1 shared by 5" if lesson_one is not None else ""))
+                    f"{STUDENTS - LESSON_STUDENTS} short comparisons"
+                    + (f" + Lessons step 1 shared by {LESSON_STUDENTS}" if lessons else ""))
 
     prompt = fit(loaded, sizes.app_prompt)
     specs = app_specs(prompt)
