@@ -155,7 +155,7 @@ def app(run: BenchRun) -> Section:
                                  f"({' / '.join(f'{e:.1f}' for e in engine)}); {len(specs)} configurations, "
                                  f"{len(ids)} prompt tokens, {sizes.app_tokens} new tokens")
                 section.add("cached_rerender", cached, "s", "<= 2")
-                if sizes.app_lessons:
+                if sizes.lessons:
                     _time_lessons(section, browser, base, timeout, log)
             finally:
                 browser.close()

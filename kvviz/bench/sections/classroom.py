@@ -53,7 +53,7 @@ def classroom(run: BenchRun) -> Section:
     lessons: list[float] = []
     if loaded.tokenizer is None:
         section.add("lesson_steps", 0, note="needs a tokenizer (--tokenizer DIR with --random-model)")
-    elif sizes.app_lessons:
+    elif sizes.lessons:
         for number, (key, requests) in enumerate(step_requests(loaded).items(), 1):
             log(f"  lesson step {number} ({key}), cold")
             lessons.append(_seconds(loaded, requests))
