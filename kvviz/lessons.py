@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
-from kvviz.core.models import LoadedModel
-from kvviz.core.session import encode_prompt
+from kvviz.engine.session import encode_prompt
 from kvviz.planning.memory import model_card
-from kvviz.quality.needle import NeedlePrompt, build_needle_prompt
-from kvviz.quality.three_axes import budget_specs
 from kvviz.runs import AttentionRequest, CompareRequest, RunRequest
+from kvviz.runtime.models import LoadedModel
+from kvviz.studies.needle import NeedlePrompt, build_needle_prompt
+from kvviz.studies.three_axes import budget_specs
 
 STORY = (
     "Every autumn the village of Hallow Creek holds a pumpkin contest. This year the judges were a baker, a "

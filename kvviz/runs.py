@@ -19,15 +19,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvviz.core.capture import AttentionStats, CaptureConfig, listening
-from kvviz.core.models import LoadedModel, cache_dir
-from kvviz.core.prefix import LengthCost, ReuseReport, context_cost, run_turns
-from kvviz.core.session import PromptSession, compare
+from kvviz.cache.capture import AttentionStats, CaptureConfig, listening
+from kvviz.engine.results import Comparison
+from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
-from kvviz.quality.needle import NeedleReport, run_needle_grid
-from kvviz.quality.prefix_sharing import SharingReport, compare_sharing
-from kvviz.quality.tail import TailReport, run_tail
-from kvviz.results import Comparison
+from kvviz.runtime.models import LoadedModel, cache_dir
+from kvviz.runtime.prefix import LengthCost, ReuseReport, context_cost, run_turns
+from kvviz.studies.needle import NeedleReport, run_needle_grid
+from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
+from kvviz.studies.tail import TailReport, run_tail
 
 Progress = Callable[[float, str], None]
 MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvviz.core.config import Settings
-from kvviz.core.faults import describe_error
-from kvviz.core.models import LoadedModel, ModelError, is_hub_id, load_model
+from kvviz.runtime.faults import describe_error
+from kvviz.runtime.models import LoadedModel, ModelError, is_hub_id, load_model
+from kvviz.runtime.settings import Settings
 
 
 def settings() -> Settings:

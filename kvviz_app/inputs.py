@@ -5,11 +5,11 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvviz.core.models import LoadedModel
-from kvviz.core.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
-from kvviz.core.session import PromptError, encode_prompt
+from kvviz.engine.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
+from kvviz.engine.results import MethodResult
+from kvviz.engine.session import PromptError, encode_prompt
 from kvviz.planning.memory import model_card
-from kvviz.results import MethodResult
+from kvviz.runtime.models import LoadedModel
 from kvviz_app import plots
 from kvviz_app.chrome import settings
 
@@ -38,7 +38,7 @@ def encode(loaded: LoadedModel, text: str | None, chat: bool, max_new_tokens: in
     """Token ids of the prompt, or None after showing why it cannot run (no prompt, empty, too long, no template).
 
     A prompt over the server's limit is refused unless the user asks to cut its middle (see
-    :func:`kvviz.core.prompts.truncate_middle`); once they do, only what was cut is shown, no error.
+    :func:`kvviz.engine.prompts.truncate_middle`); once they do, only what was cut is shown, no error.
     """
     if text is None:
         return None

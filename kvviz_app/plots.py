@@ -212,7 +212,7 @@ def integer_ticks(count: int, ticks: int = 10) -> dict:
 def axis_factors_figure(factors: dict[str, dict]) -> go.Figure:
     """Per method, the cache's bytes after each axis: full, x heads/latent, x tokens kept, x bits; ◆ = measured.
 
-    ``factors``: method -> :meth:`kvviz.core.architecture.AxisFactors.to_json`.
+    ``factors``: method -> :meth:`kvviz.cache.architecture.AxisFactors.to_json`.
     """
     stages = ["full", "× architecture", "× eviction", "× quantization"]
     figure = go.Figure()

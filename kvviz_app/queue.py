@@ -14,11 +14,11 @@ from typing import TypeVar
 
 import streamlit as st
 
-from kvviz.core.capture import AttentionStats
-from kvviz.core.faults import describe_error
-from kvviz.core.models import LoadedModel
-from kvviz.results import Comparison
+from kvviz.cache.capture import AttentionStats
+from kvviz.engine.results import Comparison
 from kvviz.runs import AttentionRequest, CompareRequest, ResultStore, RunRequest
+from kvviz.runtime.faults import describe_error
+from kvviz.runtime.models import LoadedModel
 from kvviz_app.runqueue import DONE, RunQueue, Ticket
 
 T = TypeVar("T")

@@ -16,7 +16,7 @@ os.environ["KVVIZ_RESULTS"] = tempfile.mkdtemp(prefix="kvviz-results-")
 @pytest.fixture(scope="session")
 def real_model():
     """SmolLM2-135M-Instruct from the embedded GGUF (converted once)."""
-    from kvviz.core.models import load_model
+    from kvviz.runtime.models import load_model
 
     return load_model(device="cpu")
 
@@ -26,8 +26,8 @@ def tiny_model(real_model):
     """A 2-layer random Llama with GQA (4 query heads over 2 KV heads) sharing the real tokenizer's vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvviz.core.capture import install_attention
-    from kvviz.core.models import LoadedModel
+    from kvviz.cache.capture import install_attention
+    from kvviz.runtime.models import LoadedModel
 
     torch.manual_seed(0)
     config = LlamaConfig(

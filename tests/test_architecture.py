@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvviz.core.architecture import axis_factors
-from kvviz.core.session import PromptSession, compare
+from kvviz.cache.architecture import axis_factors
+from kvviz.engine.session import PromptSession, compare
 from kvviz.methods import REGISTRY, Budget, SpecError, parse_spec
 
 EVICTIONS = sorted(name for name, cls in REGISTRY.items() if cls.kind == "eviction")
@@ -164,8 +164,8 @@ def tiny_deepseek():
     """A 2-layer random DeepSeek-V2 (MLA: latent 16 + RoPE 8; transformers caches per-head K 24 and V 16)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from kvviz.core.capture import install_attention
-    from kvviz.core.models import LoadedModel
+    from kvviz.cache.capture import install_attention
+    from kvviz.runtime.models import LoadedModel
 
     torch.manual_seed(0)
     config = DeepseekV2Config(

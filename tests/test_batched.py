@@ -5,12 +5,12 @@ method leaving the batch alone."""
 import pytest
 import torch
 
-from kvviz.core import batch
-from kvviz.core.replay import Sampling
-from kvviz.core.session import compare
+from kvviz.engine.session import compare
 from kvviz.methods import REGISTRY, budget_spec
 from kvviz.methods.h2o import H2O
 from kvviz.methods.window import Window
+from kvviz.runtime import batch
+from kvviz.runtime.replay import Sampling
 
 EVICTIONS = sorted(name for name, cls in REGISTRY.items() if cls.kind == "eviction")
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvviz import bench
+from kvviz.cache import capture
+from kvviz.cache.capture import CaptureConfig, StatsRecorder, listening
 from kvviz.cli import main
-from kvviz.core import capture
-from kvviz.core.capture import CaptureConfig, StatsRecorder, listening
-from kvviz.core.session import PromptSession, capture_for
+from kvviz.engine.session import PromptSession, capture_for
 from kvviz.methods import REGISTRY, parse_spec
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvviz.core.capture import CaptureConfig, StatsRecorder, listening
+from kvviz.cache.capture import CaptureConfig, StatsRecorder, listening
 
 
 def _forward(model, ids):
@@ -70,7 +70,7 @@ def test_window_attention_sums_the_last_queries(tiny_model, story_ids):
 
 def test_window_only_capture_computes_just_the_window_rows_and_matches_the_full_capture(tiny_model, story_ids,
                                                                                        monkeypatch):
-    from kvviz.core import capture
+    from kvviz.cache import capture
 
     n, computed = 96, []
     explicit = capture._explicit_attention
@@ -105,7 +105,7 @@ def test_sink_mass_is_strong_on_the_real_model(real_model, story_ids):
 
 
 def test_each_method_asks_for_only_the_capture_it_reads():
-    from kvviz.core.session import capture_for
+    from kvviz.engine.session import capture_for
     from kvviz.methods import parse_spec
 
     def wanted(*specs):
@@ -134,7 +134,7 @@ def test_a_united_capture_covers_each_need_and_a_narrower_one_does_not():
 
 def test_layers_without_received_attention_run_sdpa_and_still_report_exact_sink_mass(tiny_model, story_ids,
                                                                                      monkeypatch):
-    from kvviz.core import capture
+    from kvviz.cache import capture
 
     n, explicit_layers = 80, []
     explicit = capture._explicit_attention

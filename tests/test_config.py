@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvviz.core.config import Settings, SettingsError
-from kvviz.core.faults import describe_error
 from kvviz.methods import SpecError
+from kvviz.runtime.faults import describe_error
+from kvviz.runtime.settings import Settings, SettingsError
 
 
 def test_defaults_and_class_mode():

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from kvviz.core import models
-from kvviz.core.models import ModelError, hub_reachable, load_model
+from kvviz.runtime import models
+from kvviz.runtime.models import ModelError, hub_reachable, load_model
 
 
 @pytest.fixture
@@ -24,7 +24,7 @@ def test_a_hub_id_fails_at_once_when_the_hub_is_unreachable(closed_endpoint, tmp
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # an empty local cache
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    import kvviz.core.capture  # noqa: F401 - imports (slow on a loaded machine) are not what this test times
+    import kvviz.cache.capture  # noqa: F401 - imports (slow on a loaded machine) are not what this test times
 
     started = time.monotonic()
     with pytest.raises(ModelError, match="not reachable from this server"):

@@ -1,4 +1,4 @@
-"""kvpress presses run by kvpress itself, mapped back to token positions (kvviz.methods.kvpress_native)."""
+"""kvpress presses run by kvpress itself, mapped back to token positions (kvviz.methods.kvpress.native)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvviz.core.session import PromptSession, compare
+from kvviz.engine.session import PromptSession, compare
 from kvviz.methods import SpecError, parse_spec
-from kvviz.methods.kvpress_native import KVPressNative, NotMappable, press_catalog
-from kvviz.presses.coverage import HUB, NOT_MAPPABLE, RUNS, coverage
-from kvviz.presses.rowmatch import match_rows
+from kvviz.methods.kvpress.coverage import HUB, NOT_MAPPABLE, RUNS, coverage
+from kvviz.methods.kvpress.native import KVPressNative, press_catalog
+from kvviz.methods.kvpress.report import NotMappable
+from kvviz.methods.kvpress.rowmatch import match_rows
 
 logging.getLogger("kvpress").setLevel(logging.ERROR)
 
@@ -32,7 +33,7 @@ def tiny_ids() -> list[int]:
 @pytest.fixture(scope="module")
 def real_ids(real_model) -> list[int]:
     """About 320 tokens of generated filler sentences (kvviz's needle haystack)."""
-    from kvviz.quality.needle import build_needle_prompt
+    from kvviz.studies.needle import build_needle_prompt
 
     return build_needle_prompt(real_model.tokenizer, 320, 0.5, chat=False).ids
 
@@ -225,7 +226,7 @@ def test_own_press_is_refused_in_class_mode_unless_allowed(monkeypatch):
 
 
 def test_unimportable_own_press_is_one_line():
-    from kvviz.methods.kvpress_native import load_press_class
+    from kvviz.methods.kvpress.native import load_press_class
 
     with pytest.raises(SpecError, match="cannot be imported"):
         load_press_class("no_such_package.Press")

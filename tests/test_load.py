@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvviz.core.session import compare, encode_prompt
+from kvviz.engine.session import compare, encode_prompt
 from kvviz.planning.classroom import ClassRun, percentile, project_class
 from kvviz_app.runqueue import RunQueue
 

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from kvviz.core.session import PromptSession, compare
+from kvviz.engine.metrics import forced_comparison, kl_per_step
+from kvviz.engine.session import PromptSession, compare
 from kvviz.methods import REGISTRY
-from kvviz.quality.metrics import forced_comparison, kl_per_step
 
 
 def _logprobs(rows):

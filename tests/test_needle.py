@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kvviz.core.ledger import EvictionLedger
-from kvviz.core.session import PromptSession
+from kvviz.cache.ledger import EvictionLedger
+from kvviz.engine.session import PromptSession
 from kvviz.methods import REGISTRY
-from kvviz.quality.needle import NeedleCell, build_needle_prompt, needle_eviction, run_needle_grid
+from kvviz.studies.needle import NeedleCell, build_needle_prompt, needle_eviction, run_needle_grid
 
 
 def test_prompt_has_the_length_the_key_and_the_question_where_promised(real_model):

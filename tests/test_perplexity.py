@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvviz.methods import SpecError
-from kvviz.quality.perplexity import _full_chunked, _streamed, streaming_perplexity
+from kvviz.studies.perplexity import _full_chunked, _streamed, streaming_perplexity
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def text_ids(tiny_model) -> list[int]:
 
 
 def test_full_in_chunks_equals_token_by_token(tiny_model, text_ids, monkeypatch):
-    monkeypatch.setattr("kvviz.quality.perplexity.CHUNK", 48)  # several chunk boundaries on a short text
+    monkeypatch.setattr("kvviz.studies.perplexity.CHUNK", 48)  # several chunk boundaries on a short text
     chunked = _full_chunked(tiny_model, text_ids[:130], None)
     streamed = _streamed(tiny_model, text_ids[:130], "full", None)
     assert chunked.shape == streamed.shape == (129,)

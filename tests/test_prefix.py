@@ -6,8 +6,9 @@ import threading
 
 import torch
 
-from kvviz.core.capture import CaptureConfig
-from kvviz.core.prefix import (
+from kvviz.cache.capture import CaptureConfig
+from kvviz.engine.session import PromptSession, compare
+from kvviz.runtime.prefix import (
     PrefixCache,
     block_hashes,
     prefill_with_prefix,
@@ -15,7 +16,6 @@ from kvviz.core.prefix import (
     reusable_tokens,
     run_turns,
 )
-from kvviz.core.session import PromptSession, compare
 
 
 def test_same_tokens_give_same_hashes_and_only_whole_blocks():
@@ -45,7 +45,7 @@ def test_salt_separates_namespaces():
 
 def _dense_cache(tokens: int, layers: int = 2, heads: int = 2, dim: int = 4):
     """A dense KVCache holding ``tokens`` random entries per layer (what a prefill leaves)."""
-    from kvviz.core.cache import KVCache
+    from kvviz.cache.kvcache import KVCache
 
     cache = KVCache(layers)
     for layer in cache.layers:
@@ -177,12 +177,12 @@ def test_prefix_page_figures_equal_the_engines(monkeypatch, tmp_path, real_model
 
     from streamlit.testing.v1 import AppTest
 
-    from kvviz.core.prefix import DEFAULT_QUESTIONS, edit_preamble, turn_ids
-    from kvviz.quality.prefix_sharing import compare_sharing
+    from kvviz.runtime.prefix import DEFAULT_QUESTIONS, edit_preamble, turn_ids
+    from kvviz.studies.prefix_sharing import compare_sharing
 
     preamble_file = tmp_path / "preamble.txt"
     preamble_file.write_text(SHORT_PREAMBLE, encoding="utf-8")
-    monkeypatch.setattr("kvviz.core.prefix.PREAMBLE_FILE", preamble_file)
+    monkeypatch.setattr("kvviz.runtime.prefix.PREAMBLE_FILE", preamble_file)
     spec = "streaming_llm:sinks=4,window=24,rerotate=0"
     app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "views" / "7_Prefix_reuse.py"),
                             default_timeout=900)
@@ -221,7 +221,7 @@ def test_cli_prefix_refuses_a_method_that_does_not_evict(capsys):
 
 
 def test_edits_change_every_block_from_the_edit_on(real_model):
-    from kvviz.core.prefix import default_preamble, edit_preamble
+    from kvviz.runtime.prefix import default_preamble, edit_preamble
 
     tokenizer = real_model.tokenizer
     original = default_preamble()

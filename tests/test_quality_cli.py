@@ -8,7 +8,7 @@ import torch
 
 from kvviz import cli
 from kvviz.cli import main
-from kvviz.quality.perplexity import play_text
+from kvviz.studies.perplexity import play_text
 
 
 @pytest.mark.parametrize("argv, message", [

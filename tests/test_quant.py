@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvviz.core.quant import (
+from kvviz.cache.quant import (
     dequantize_per_channel,
     dequantize_per_token,
     error_bound,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvviz.core.session import PromptError, PromptSession, compare, encode_prompt
+from kvviz.engine.session import PromptError, PromptSession, compare, encode_prompt
 from kvviz.planning.memory import model_card
 
 
@@ -44,7 +44,7 @@ def test_new_tokens_get_their_absolute_positions(tiny_model, story_ids):
     session = PromptSession(tiny_model, story_ids[:30])
     cache = session.fork(session_stack("full"))
     prefill = session.prefill()
-    from kvviz.core.replay import decode
+    from kvviz.runtime.replay import decode
 
     decode(tiny_model.model, cache, prefill.last_logits, 4, "cpu", set())
     assert cache.kept_positions(0)[0].tolist() == list(range(33))
@@ -57,7 +57,7 @@ def session_stack(spec):
 
 
 def test_seeded_sampling_is_reproducible(tiny_model, story_ids):
-    from kvviz.core.replay import Sampling
+    from kvviz.runtime.replay import Sampling
 
     session = PromptSession(tiny_model, story_ids[:20])
     first, _ = session.run("full", 12, Sampling(temperature=1.0, seed=7))

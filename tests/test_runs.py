@@ -9,8 +9,8 @@ import torch
 from streamlit.testing.v1 import AppTest
 
 import kvviz.runs
-from kvviz.core.models import LoadedModel
 from kvviz.runs import CompareRequest, ResultStore, RunRequest
+from kvviz.runtime.models import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
 

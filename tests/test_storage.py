@@ -3,7 +3,7 @@ tensor the storage did not make."""
 
 import torch
 
-from kvviz.core.storage import DenseStorage, KeptRanges, gather_tokens, take_ranges
+from kvviz.cache.storage import DenseStorage, KeptRanges, gather_tokens, take_ranges
 
 
 def _entries(length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

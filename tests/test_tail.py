@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from kvviz.core.ledger import KEPT, EvictionLedger
-from kvviz.core.protect import with_protected
-from kvviz.core.session import PromptSession
-from kvviz.core.storage import KeptRanges
+from kvviz.cache.ledger import KEPT, EvictionLedger
+from kvviz.cache.protect import with_protected
+from kvviz.cache.storage import KeptRanges
+from kvviz.engine.session import PromptSession
 from kvviz.methods import REGISTRY, SpecError, budget_spec, parse_spec
-from kvviz.quality.tail import (
+from kvviz.studies.tail import (
     MAX_HOPS,
     TASKS,
     Instruction,

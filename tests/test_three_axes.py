@@ -6,7 +6,7 @@ import pytest
 
 from kvviz import cli
 from kvviz.planning.memory import model_card
-from kvviz.quality.three_axes import axes_specs, budget_specs, run_axes
+from kvviz.studies.three_axes import axes_specs, budget_specs, run_axes
 
 
 def test_budget_specs_spend_a_third_on_each_axis_of_the_default_model(real_model):

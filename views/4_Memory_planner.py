@@ -6,7 +6,7 @@ import streamlit as st
 from kvviz.methods import SpecError
 from kvviz.planning.memory import model_card
 from kvviz.planning.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
-from kvviz.quality.needle import build_needle_prompt
+from kvviz.studies.needle import build_needle_prompt
 from kvviz_app import plots
 from kvviz_app.chrome import model_picker, page_header
 from kvviz_app.queue import run_comparison

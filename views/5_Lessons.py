@@ -9,9 +9,9 @@ from collections.abc import Callable
 import pandas as pd
 import streamlit as st
 
+from kvviz.engine.results import Comparison, MethodResult
 from kvviz.lessons import NEEDLE_CODE, RUNS, SINKS, LessonRun, attention_request, axes_run, is_filler_token, span_of
 from kvviz.planning.memory import model_card
-from kvviz.results import Comparison, MethodResult
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import encode, method_output, token_texts

@@ -6,8 +6,8 @@ import pandas as pd
 import streamlit as st
 
 from kvviz.methods import budget_spec
-from kvviz.quality.tail import MAX_HOPS, MODES, PROTECT, TASKS
 from kvviz.runs import TailRequest
+from kvviz.studies.tail import MAX_HOPS, MODES, PROTECT, TASKS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import token_texts

@@ -4,16 +4,16 @@
 import pandas as pd
 import streamlit as st
 
-from kvviz.core.prefix import (
+from kvviz.methods import SpecError, parse_spec
+from kvviz.runs import ContextCostRequest, PrefixSharingRequest, PrefixTurnsRequest
+from kvviz.runtime.prefix import (
     DEFAULT_QUESTIONS,
     default_preamble,
     edit_preamble,
     question_turn,
     turn_ids,
 )
-from kvviz.methods import SpecError, parse_spec
-from kvviz.quality.prefix_sharing import DEFAULT_METHODS
-from kvviz.runs import ContextCostRequest, PrefixSharingRequest, PrefixTurnsRequest
+from kvviz.studies.prefix_sharing import DEFAULT_METHODS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.queue import run_request

@@ -22,7 +22,7 @@ from typing import TypeVar
 
 import torch
 
-from kvviz.core.models import LoadedModel
+from kvviz.runtime.models import LoadedModel
 
 Log = Callable[[str], None]
 T = TypeVar("T")

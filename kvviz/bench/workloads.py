@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from kvviz.bench.harness import sync
-from kvviz.core.cache import KVCache
-from kvviz.core.models import LoadedModel, resolve_device, resolve_dtype
-from kvviz.core.replay import decode
-from kvviz.core.session import PromptSession
+from kvviz.cache.kvcache import KVCache
+from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
-from kvviz.quality.perplexity import play_text
+from kvviz.runtime.models import LoadedModel, resolve_device, resolve_dtype
+from kvviz.runtime.replay import decode
+from kvviz.studies.perplexity import play_text
 
 # Shapes for --random-model: real architectures' dimensions, random weights.
 PRESETS: dict[str, dict] = {
@@ -54,7 +54,7 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None,
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvviz.core.capture import install_attention
+    from kvviz.cache.capture import install_attention
 
     if spec in PRESETS:
         fields = dict(PRESETS[spec])

@@ -1,32 +1,29 @@
-"""Every module in this package registers one method; importing the package loads them all.
+"""The methods: every module in this package (and in :mod:`kvviz.methods.kvpress`) holds method implementations;
+importing the package loads them all into the registry, so ``parse_spec`` knows every name.
 
-Adding a method means adding one file here with a class decorated by :func:`register`.
+Adding a method means adding one file here with a class decorated by :func:`register`. The protocol the methods
+implement and the SPEC grammar live below, in :mod:`kvviz.cache.protocol` and :mod:`kvviz.cache.spec`.
 """
 
 import importlib
 import pkgutil
 
-from kvviz.methods.base import (
+from kvviz.cache.protocol import ArchitectureMethod, EvictionMethod, LayerView, QuantizationMethod, ScoringEviction
+from kvviz.cache.spec import (
     KINDS,
     REGISTRY,
-    ArchitectureMethod,
     Budget,
-    EvictionMethod,
-    LayerView,
     Method,
     MethodStack,
     Param,
-    QuantizationMethod,
-    ScoringEviction,
     SpecError,
     budget_spec,
     parse_spec,
     register,
 )
 
-for _module in pkgutil.iter_modules(__path__):
-    if _module.name != "base":
-        importlib.import_module(f"{__name__}.{_module.name}")
+for _module in pkgutil.walk_packages(__path__, prefix=f"{__name__}."):
+    importlib.import_module(_module.name)
 
 __all__ = [
     "KINDS",

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
-from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, per_element, register
+from kvviz.cache.protocol import QuantizationMethod, per_element
+from kvviz.cache.spec import MethodStack, Param, SpecError, register
+from kvviz.cache.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 from kvviz.methods.kivi import refuse_rerotation
 
 BLOCK = 64  # smallest blocksize bitsandbytes' CPU kernels accept above 32 for every type

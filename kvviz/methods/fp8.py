@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
-from kvviz.methods.base import MethodStack, Param, QuantizationMethod, per_element, register
+from kvviz.cache.protocol import QuantizationMethod, per_element
+from kvviz.cache.spec import MethodStack, Param, register
+from kvviz.cache.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 from kvviz.methods.kivi import refuse_rerotation
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}

@@ -1,6 +1,7 @@
 """The baseline: every token kept, in the model's dtype."""
 
-from kvviz.methods.base import EvictionMethod, register
+from kvviz.cache.protocol import EvictionMethod
+from kvviz.cache.spec import register
 
 
 @register

@@ -6,14 +6,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, per_kv_head, register, topk_keep
+from kvviz.cache.protocol import EvictionMethod, LayerView, per_kv_head, topk_keep
+from kvviz.cache.spec import Budget, Param, register
 
 
 @dataclass
 class H2OState:
     """Accumulated attention of the entries H2O kept at its last selection, [B, H_kv, T], with their absolute
     positions: the next step matches scores to entries by position, so the cache may keep more than H2O chose
-    (protected spans, :mod:`kvviz.core.protect`; those start again from 0)."""
+    (protected spans, :mod:`kvviz.cache.protect`; those start again from 0)."""
 
     scores: torch.Tensor | None = None
     positions: torch.Tensor | None = None

@@ -15,9 +15,10 @@ import importlib.util
 
 import torch
 
-from kvviz.core.quant import bits_with_metadata
-from kvviz.core.storage import KVStorage, StorageBytes, tensor_bytes
-from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, register
+from kvviz.cache.protocol import QuantizationMethod
+from kvviz.cache.quant import bits_with_metadata
+from kvviz.cache.spec import MethodStack, Param, SpecError, register
+from kvviz.cache.storage import KVStorage, StorageBytes, tensor_bytes
 
 BACKENDS = {"quanto": ("optimum.quanto", "optimum-quanto", (2, 4)), "hqq": ("hqq", "hqq", (1, 2, 3, 4, 8))}
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.core.quant import (
+from kvviz.cache.protocol import QuantizationMethod, per_element
+from kvviz.cache.quant import (
     Quantized,
     bits_with_metadata,
     channel_groups,
@@ -30,8 +31,8 @@ from kvviz.core.quant import (
     quantize_per_channel,
     quantize_per_token,
 )
-from kvviz.core.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
-from kvviz.methods.base import MethodStack, Param, QuantizationMethod, SpecError, per_element, register
+from kvviz.cache.spec import MethodStack, Param, SpecError, register
+from kvviz.cache.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:

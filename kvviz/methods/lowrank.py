@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.core.architecture import ArchitectureStorage
-from kvviz.core.storage import KeptRanges, KVStorage, gather_tokens, take_ranges, tensor_bytes
-from kvviz.methods.base import ArchitectureMethod, MethodStack, Param, SpecError, register
+from kvviz.cache.architecture import ArchitectureStorage
+from kvviz.cache.protocol import ArchitectureMethod
+from kvviz.cache.spec import MethodStack, Param, SpecError, register
+from kvviz.cache.storage import KeptRanges, KVStorage, gather_tokens, take_ranges, tensor_bytes
 
 
 def principal_directions(samples: torch.Tensor, rank: int) -> torch.Tensor:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvviz.core.storage import MergedKeep, gather_tokens
-from kvviz.methods.base import LayerView, per_kv_head, register
+from kvviz.cache.protocol import LayerView, per_kv_head
+from kvviz.cache.spec import register
+from kvviz.cache.storage import MergedKeep, gather_tokens
 from kvviz.methods.snapkv import SnapKV
 
 WEIGHT_FLOOR = 1e-6  # tokens the window ignored still count a little, so no weighted mean divides by zero

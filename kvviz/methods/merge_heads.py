@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.core.architecture import ArchitectureStorage
-from kvviz.core.storage import KVStorage
-from kvviz.methods.base import ArchitectureMethod, Param, SpecError, register
+from kvviz.cache.architecture import ArchitectureStorage
+from kvviz.cache.protocol import ArchitectureMethod
+from kvviz.cache.spec import Param, SpecError, register
+from kvviz.cache.storage import KVStorage
 
 
 class MergedHeadsStorage(ArchitectureStorage):

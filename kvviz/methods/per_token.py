@@ -5,7 +5,7 @@ the outliers and the ordinary channels lose most of their precision. Same storag
 :mod:`kvviz.methods.kivi`; only the key grouping differs.
 """
 
-from kvviz.methods.base import register
+from kvviz.cache.spec import register
 from kvviz.methods.kivi import BITS, GROUP, RESIDUAL, GroupQuantMethod
 
 

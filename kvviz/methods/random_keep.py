@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.methods.base import Budget, LayerView, Param, ScoringEviction, register
+from kvviz.cache.protocol import LayerView, ScoringEviction
+from kvviz.cache.spec import Budget, Param, register
 
 
 @register

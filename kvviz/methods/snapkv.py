@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvviz.methods.base import Budget, LayerView, Param, ScoringEviction, SpecError, per_kv_head, register
+from kvviz.cache.protocol import LayerView, ScoringEviction, per_kv_head
+from kvviz.cache.spec import Budget, Param, SpecError, register
 
 
 def pooled_window_scores(window_sum: torch.Tensor, window: int, kernel: int, pool: str, kv_heads: int) -> torch.Tensor:

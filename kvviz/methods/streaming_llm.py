@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvviz.core.storage import KeptRanges
-from kvviz.methods.base import Budget, EvictionMethod, LayerView, MethodStack, Param, SpecError, register
+from kvviz.cache.protocol import EvictionMethod, LayerView
+from kvviz.cache.spec import Budget, MethodStack, Param, SpecError, register
+from kvviz.cache.storage import KeptRanges
 from kvviz.methods.window import sinks_and_recent
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvviz.core.storage import KeptRanges
-from kvviz.methods.base import Budget, EvictionMethod, LayerView, Param, register
+from kvviz.cache.protocol import EvictionMethod, LayerView
+from kvviz.cache.spec import Budget, Param, register
+from kvviz.cache.storage import KeptRanges
 
 
 def sinks_and_recent(view: LayerView, sinks: int, recent: int) -> KeptRanges | None:

@@ -153,6 +153,6 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def model_card(loaded) -> ModelCard:
-    """The card of a loaded model (see :class:`kvviz.core.models.LoadedModel`)."""
+    """The card of a loaded model (see :class:`kvviz.runtime.models.LoadedModel`)."""
     dtype = str(loaded.dtype).removeprefix("torch.")
     return card_from_config(loaded.name, loaded.config, dtype, model_weight_bytes(loaded.model))

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvviz.core.quant import bits_with_metadata
+from kvviz.cache.quant import bits_with_metadata
 from kvviz.planning.memory import ModelCard, card_from_config
 
 CATALOG_PATH = Path(__file__).resolve().parents[2] / "assets" / "model_configs.json"

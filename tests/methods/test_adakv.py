@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.core.replay import forward_step
-from kvviz.core.session import PromptSession
+from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
-from kvviz.methods.adakv import adaptive_keep
+from kvviz.methods.kvpress.adakv import adaptive_keep
+from kvviz.runtime.replay import forward_step
 from tests.methods.kvpress_reference import overlaps, run_press
 from tests.methods.test_window import prompt
 

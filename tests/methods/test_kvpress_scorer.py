@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvviz.core.session import PromptSession
+from kvviz.engine.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
-from kvviz.methods.kvpress_scorer import PRESSES
+from kvviz.methods.kvpress.scorer import PRESSES
 from tests.methods.test_window import prompt
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.core.session import PromptSession
+from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
 from kvviz.methods.merge import merge_into_nearest
 from tests.methods.test_window import prompt

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvviz.core.session import PromptSession
+from kvviz.engine.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
-from kvviz.methods.per_layer import layer_ratio
+from kvviz.methods.kvpress.per_layer import layer_ratio
 from tests.methods.test_window import prompt
 
 

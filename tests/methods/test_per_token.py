@@ -2,7 +2,7 @@
 
 import torch
 
-from kvviz.core.quant import error_bound
+from kvviz.cache.quant import error_bound
 from kvviz.methods import parse_spec
 
 

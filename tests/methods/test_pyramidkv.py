@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvviz.core.session import PromptSession
+from kvviz.engine.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
-from kvviz.methods.pyramidkv import pyramid_kept
+from kvviz.methods.kvpress.pyramidkv import pyramid_kept
 from tests.methods.kvpress_reference import overlaps, run_press
 from tests.methods.test_window import prompt
 

@@ -2,8 +2,8 @@
 
 import pytest
 
+from kvviz.cache.spec import Param
 from kvviz.methods import REGISTRY, Budget, SpecError, parse_spec
-from kvviz.methods.base import Param
 
 
 def test_full_parses_and_prints_back():

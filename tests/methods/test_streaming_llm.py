@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvviz.methods import SpecError, parse_spec
-from kvviz.quality.perplexity import play_text, streaming_perplexity
+from kvviz.studies.perplexity import play_text, streaming_perplexity
 from tests.methods.test_window import prompt, step_through
 
 
@@ -67,7 +67,7 @@ def test_rerotation_is_exact_where_distances_do_not_change(tiny_model):
 
 def test_rerotated_window_predicts_like_absolute_window(tiny_model):
     """The position shift is right to the token: without sinks both variants must give the same distributions."""
-    from kvviz.core.session import PromptSession
+    from kvviz.engine.session import PromptSession
 
     session = PromptSession(tiny_model, prompt(tiny_model, 30))
     runs = [session.run(f"streaming_llm:sinks=0,window=8,rerotate={r}", 16, keep_logprobs=True) for r in (0, 1)]
@@ -123,7 +123,7 @@ def test_streaming_llm_finding_on_hamlet(real_model):
 def test_rotating_keys_by_a_delta_matches_the_model_rotating_them_there(tiny_model):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from kvviz.core.cache import rope_rotator
+    from kvviz.cache.kvcache import rope_rotator
 
     rotary = tiny_model.model.model.rotary_emb
     keys = torch.randn(1, 2, 5, tiny_model.model.config.head_dim)

@@ -7,10 +7,10 @@ import contextlib
 import pytest
 import torch
 
-from kvviz.core.capture import listening
-from kvviz.core.replay import forward_step
-from kvviz.core.session import PromptSession
+from kvviz.cache.capture import listening
+from kvviz.engine.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
+from kvviz.runtime.replay import forward_step
 
 
 def step_through(loaded, prompt_ids: list[int], spec: str, steps: int, after_step=None, listeners=()):

@@ -18,8 +18,8 @@ from kvviz.bench.browser import CHROMIUM_ARGS, chromium_path, served_app, settle
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import prompt_tokens
-from kvviz.core.models import LoadedModel
-from kvviz.core.session import compare, encode_prompt
+from kvviz.engine.session import compare, encode_prompt
+from kvviz.runtime.models import LoadedModel
 
 
 def upload_prompt_text(loaded: LoadedModel, tokens: int) -> str:

@@ -8,7 +8,7 @@ import torch
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.specs import batched_specs
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.core.session import compare
+from kvviz.engine.session import compare
 
 
 @bench_section("batched_compare")

@@ -8,7 +8,7 @@ import torch
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.workloads import decode_step, fit, prompt_tokens
-from kvviz.core.session import PromptSession
+from kvviz.engine.session import PromptSession
 from kvviz.methods import budget_spec
 
 

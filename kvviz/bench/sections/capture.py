@@ -6,8 +6,8 @@ from dataclasses import replace
 
 from kvviz.bench.harness import BenchRun, PeakMemory, Section, bench_section, timed
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.core.capture import CaptureConfig
-from kvviz.core.session import PromptSession
+from kvviz.cache.capture import CaptureConfig
+from kvviz.engine.session import PromptSession
 from kvviz.methods import budget_spec
 from kvviz.planning.memory import model_card
 

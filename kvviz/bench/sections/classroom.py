@@ -14,11 +14,11 @@ import statistics
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.core.models import LoadedModel
-from kvviz.core.session import encode_prompt
+from kvviz.engine.session import encode_prompt
 from kvviz.lessons import step_requests
 from kvviz.planning.classroom import ClassRun, ClassWait, project_class
 from kvviz.runs import CompareRequest, RunRequest
+from kvviz.runtime.models import LoadedModel
 
 STUDENTS = 30
 LESSON_STUDENTS = 5  # as in the load test: five students on Lessons step 1 share one run, the others compare

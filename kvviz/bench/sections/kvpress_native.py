@@ -8,9 +8,9 @@ from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.core.session import PromptSession
+from kvviz.engine.session import PromptSession
 from kvviz.methods import REGISTRY, parse_spec
-from kvviz.presses.native import attention_modules
+from kvviz.methods.kvpress.fork import attention_modules
 
 
 @bench_section("kvpress_native")

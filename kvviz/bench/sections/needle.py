@@ -6,7 +6,7 @@ from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.specs import KIVI, eviction_specs
 from kvviz.bench.workloads import fit
 from kvviz.methods import REGISTRY
-from kvviz.quality.needle import run_needle_grid
+from kvviz.studies.needle import run_needle_grid
 
 
 @bench_section("needle")

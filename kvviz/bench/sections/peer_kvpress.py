@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.core.session import PromptSession, capture_for
+from kvviz.engine.session import PromptSession, capture_for
 from kvviz.methods import REGISTRY, budget_spec, parse_spec
 
 

@@ -6,7 +6,7 @@ from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.specs import KIVI
 from kvviz.bench.workloads import fit, prompt_tokens
 from kvviz.methods import REGISTRY, budget_spec
-from kvviz.quality.perplexity import streaming_perplexity
+from kvviz.studies.perplexity import streaming_perplexity
 
 
 @bench_section("perplexity")

@@ -7,8 +7,8 @@ import torch
 
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.core.prefix import run_turns
-from kvviz.quality.prefix_sharing import compare_sharing
+from kvviz.runtime.prefix import run_turns
+from kvviz.studies.prefix_sharing import compare_sharing
 
 
 @bench_section("prefix")

@@ -6,7 +6,7 @@ import torch
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.core.session import PromptSession
+from kvviz.engine.session import PromptSession
 
 
 @bench_section("replay_vs_generate")

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 from kvviz.bench.harness import BenchRun, Section, bench_section, shared_measurement, sync, timed
 from kvviz.bench.specs import comparison_specs
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.core.session import PromptSession, capture_for
+from kvviz.engine.results import MethodResult
+from kvviz.engine.session import PromptSession, capture_for
 from kvviz.methods import parse_spec
 from kvviz.planning.memory import ModelCard
-from kvviz.results import MethodResult
 
 
 @dataclass

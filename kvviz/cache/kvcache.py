@@ -1,0 +1,369 @@
+"""A transformers Cache whose layers apply a method stack: which entries stay (eviction) and how they are stored.
+
+Positions: every stored entry remembers its absolute token position (for the ledger and the UI) and the rotary
+position its key currently carries. The model is called with ``cache_position`` counting stored entries (so masks
+line up with the compacted cache) and ``position_ids`` from :meth:`KVCache.next_rotary_positions` (absolute
+positions, or in-cache positions when a method re-rotates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvviz.cache.capture import mask_padded_keys
+from kvviz.cache.ledger import EvictionLedger
+from kvviz.cache.protect import with_protected
+from kvviz.cache.protocol import EvictionMethod, LayerView
+from kvviz.cache.spec import MethodStack, SpecError
+from kvviz.cache.storage import DenseStorage, KeptRanges, KVStorage, MergedKeep, RaggedKeep, StorageBytes, take_ranges
+
+
+@dataclass
+class Rerotation:
+    """The rotary positions keys end at (``target`` [T]), the entries whose keys move (``changed``) and the cos/sin
+    of their rotation."""
+
+    target: torch.Tensor
+    changed: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+class FirstUpdateLayer(CacheLayerMixin):
+    """A transformers cache layer that learns its dtype and device from the first keys it is given."""
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+
+class KVLayer(FirstUpdateLayer):
+    """One layer's cache: a storage, the positions of its entries, and the eviction method's state."""
+
+    is_sliding = False
+
+    def __init__(self, layer_idx: int, owner: KVCache, storage: KVStorage, eviction: EvictionMethod | None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.owner = owner
+        self.storage = storage
+        self.eviction = eviction
+        self.state = eviction.new_state(layer_idx) if eviction is not None else None
+        self.positions: torch.Tensor | None = None  # [B, H_kv, T] absolute positions
+        self.rotary: torch.Tensor | None = None  # [B, H_kv, T] positions the keys are rotated to
+        self.padding: torch.Tensor | None = None  # [B, H_kv, T] True on padding slots once heads keep unequal counts
+        self.blocked: torch.Tensor | None = None  # [B, H_kv, T] entries held but never attended (see block)
+
+    # -- transformers' layer protocol -------------------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch, heads, new = key_states.shape[:3]
+        heads = self.storage.cache_heads(heads)
+        absolute, rotary = (t.view(1, 1, new).expand(batch, heads, new) for t in self.owner.step_on(key_states.device))
+        self.storage.append(key_states, value_states)
+        self.positions = absolute.clone() if self.positions is None else torch.cat([self.positions, absolute], -1)
+        self.rotary = rotary.clone() if self.rotary is None else torch.cat([self.rotary, rotary], -1)
+        if self.padding is not None:
+            self.padding = torch.cat([self.padding, torch.zeros_like(absolute, dtype=torch.bool)], -1)
+        if self.owner.decoding and self.eviction is not None and not self.eviction.scores_attention:
+            # the new tokens' queries already carry rotary positions; re-rotated keys must end where they stand
+            self.apply_keep(self.eviction.select(self.view()), rotary_end=self.owner.step_rotary_end)
+        if self.blocked is not None:
+            self.blocked = torch.cat([self.blocked, self.blocked.new_zeros(batch, heads, new)], -1)
+        hidden = self.padding if self.blocked is None else (
+            self.blocked if self.padding is None else self.padding | self.blocked)
+        if hidden is not None:
+            mask_padded_keys(self.layer_idx, hidden)  # this forward's attention skips padding and blocked slots
+        return self.storage.materialize()
+
+    def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
+        return len(self.storage) + cache_position.shape[0], 0
+
+    def get_seq_length(self) -> int:
+        return len(self.storage)
+
+    def get_max_cache_shape(self) -> int:
+        return -1
+
+    # -- kvviz ------------------------------------------------------------------------------------------------
+    def view(self, attention: torch.Tensor | None = None) -> LayerView:
+        return LayerView(
+            layer_idx=self.layer_idx,
+            layers=len(self.owner.layers),
+            positions=self.positions,
+            entries=self.storage.materialize,
+            prompt_length=self.owner.prompt_length,
+            step=self.owner.step,
+            attention=attention,
+            state=self.state,
+        )
+
+    def apply_keep(self, kept: torch.Tensor | KeptRanges | RaggedKeep | MergedKeep | None,
+                   rotary_end: int | None = None) -> None:
+        """Keep entries ``kept`` (an index [B, H, n] or ranges every head keeps); record the rest in the ledger;
+        re-rotate keys if the method asks.
+
+        ``rotary_end``: one past the rotary position re-rotated keys must end at (the in-flight queries' position);
+        by default the cache length, so the next token (given rotary position ``len(cache)``) follows on.
+        """
+        if kept is None:
+            return
+        if self.owner.protected is not None:
+            if isinstance(kept, (MergedKeep, RaggedKeep)):  # said, not silently ignored
+                raise SpecError(f"{self.eviction.name} cannot protect spans: its heads keep different counts or "
+                                "merge entries; protect with a method that drops whole entries")
+            kept = with_protected(kept, self.positions, self.owner.protected)
+            if kept is None:
+                return
+        if isinstance(kept, MergedKeep):  # the kept entries change: store them afresh, in the stack's format
+            self.apply_keep(kept.index)
+            self.storage = self.owner.new_storage(self.layer_idx)
+            self.storage.append(kept.keys, kept.values)
+            return
+        if isinstance(kept, RaggedKeep):
+            self._apply_ragged(kept)
+        elif isinstance(kept, KeptRanges):
+            if self.owner.ledger is not None:
+                gaps = kept.dropped(self.positions.shape[-1])
+                if gaps:
+                    self.owner.ledger.record(self.layer_idx, self.owner.step, take_ranges(self.positions[0], gaps, -1))
+            self.storage.keep_ranges(kept)
+            self.positions = take_ranges(self.positions, kept.spans, -1)
+            self.rotary = take_ranges(self.rotary, kept.spans, -1)
+            self.padding = None if self.padding is None else take_ranges(self.padding, kept.spans, -1)
+            self.blocked = None if self.blocked is None else take_ranges(self.blocked, kept.spans, -1)
+        else:
+            if self.owner.ledger is not None:
+                dropped = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept[0], False)
+                removed = self.positions[0][dropped].view(self.positions.shape[1], -1)
+                self.owner.ledger.record(self.layer_idx, self.owner.step, removed)
+            self.storage.keep(kept)
+            self.positions = self.positions.gather(-1, kept)
+            self.rotary = self.rotary.gather(-1, kept)
+            self.padding = None if self.padding is None else self.padding.gather(-1, kept)
+            self.blocked = None if self.blocked is None else self.blocked.gather(-1, kept)
+        if self.eviction is not None and self.eviction.rerotate:
+            self._rerotate(self.rotary.shape[-1] if rotary_end is None else rotary_end)
+
+    def _apply_ragged(self, kept: RaggedKeep) -> None:
+        """Heads keep different numbers of entries: store the padded layout and remember which slots are padding."""
+        if self.owner.ledger is not None:
+            removed = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept.index[0], False)
+            self.owner.ledger.record_per_head(self.layer_idx, self.owner.step, self.positions[0], removed)
+        padding = ~kept.valid if self.padding is None else self.padding.gather(-1, kept.index) | ~kept.valid
+        self.storage.keep(kept.index)
+        self.positions = self.positions.gather(-1, kept.index)
+        self.rotary = self.rotary.gather(-1, kept.index)
+        self.blocked = None if self.blocked is None else self.blocked.gather(-1, kept.index)
+        self.padding = padding if bool(padding.any()) else None
+
+    def block(self, blocked: torch.Tensor | None) -> None:
+        """Hold entries ``blocked`` [B, H_kv, T] without attending to them (recorded as evicted): heads of a layer
+        must hold the same count, so a head that keeps fewer tokens than another pads with blocked ones."""
+        if blocked is None:
+            return
+        self.blocked = blocked.to(self.positions.device)
+        if self.owner.ledger is not None:
+            self.owner.ledger.record_per_head(self.layer_idx, self.owner.step, self.positions[0], self.blocked[0])
+    def _rerotate(self, end: int) -> None:
+        """Give cached keys consecutive rotary positions ending at ``end - 1`` (StreamingLLM's position shift).
+
+        Only distances matter to RoPE: a query at position p then sees the key i entries back at distance i, as if
+        the evicted tokens had never existed.
+        """
+        # re-rotating methods keep the same entries in every head (see EvictionMethod): one row serves them all
+        keys, _ = self.storage.materialize()
+        plan = self.owner.rerotation(self.rotary[0, 0], end, keys.dtype)
+        if plan is None:  # every key already sits where it should
+            return
+        # typically only the sinks move: rotate those few entries where they are
+        self.storage.write_keys(plan.changed, self.owner.rotate_keys.apply(keys[:, :, plan.changed], plan.cos,
+                                                                           plan.sin))
+        self.rotary = plan.target.expand_as(self.rotary)
+
+    def nbytes(self) -> StorageBytes:
+        """What the storage holds. With unequal counts per head in a storage whose entries each cost the same (dense,
+        fp8, bnb), only the valid entries' share plus one int32 length per head, as a varlen layout holds them;
+        group quantizers hold the padding rows inside their groups, so their padded layout is counted as it is."""
+        held = self.storage.nbytes()
+        if self.padding is None or not self.storage.per_entry_bytes:
+            return held
+        slots = self.padding.numel()
+        valid = slots - int(self.padding.sum())
+        lengths = 4 * self.padding.shape[0] * self.padding.shape[1]
+        return StorageBytes(codes=held.codes * valid // slots, metadata=held.metadata + lengths,
+                            full_precision=held.full_precision * valid // slots)
+
+
+class KVCache(Cache):
+    """The cache kvviz replays with: one :class:`KVLayer` per decoder layer, a shared step context, a ledger."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        stack: MethodStack | None = None,
+        ledger: EvictionLedger | None = None,
+        rotate_keys: KeyRotator | None = None,
+        protected: torch.Tensor | None = None,
+    ):
+        self.stack = stack or MethodStack()
+        self.ledger = ledger
+        self.protected = protected  # absolute positions no eviction may drop (kvviz.cache.protect), or None
+        self.rotate_keys = rotate_keys
+        self.prompt_length = 0
+        self.step = 0
+        self.decoding = False
+        self.step_positions = torch.zeros(0, dtype=torch.long)
+        self.step_rotary = torch.zeros(0, dtype=torch.long)
+        self.step_rotary_end = 0  # one past the newest token's rotary position
+        self._step_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = None  # see step_on
+        self._rerotation: tuple[tuple, torch.Tensor, Rerotation | None] | None = None  # the last layer's answer
+        layers = [KVLayer(i, self, self.new_storage(i), self.stack.eviction) for i in range(num_layers)]
+        super().__init__(layers=layers)
+
+    def new_storage(self, layer_idx: int) -> KVStorage:
+        """An empty storage for one layer in the stack's format: dense or quantized, wrapped by the architecture
+        method when there is one (it keeps its compressed form in that storage)."""
+        quantization, architecture = self.stack.quantization, self.stack.architecture
+        storage = quantization.new_storage(layer_idx) if quantization else DenseStorage()
+        return storage if architecture is None else architecture.wrap_storage(layer_idx, storage, self)
+
+    @property
+    def rerotates(self) -> bool:
+        return self.stack.eviction is not None and self.stack.eviction.rerotate
+
+    def next_rotary_positions(self, absolute: torch.Tensor) -> torch.Tensor:
+        """Rotary positions for new tokens: absolute, or right after the cache's last key when keys are re-rotated.
+
+        Re-rotated positions stay consecutive (see :meth:`KVLayer._rerotate`) but are not reset to zero each step:
+        RoPE only sees distances, so sliding them forward costs nothing and keeps in-flight queries valid.
+        """
+        if self.rerotates and self.layers[0].rotary is not None:
+            return torch.arange(absolute.numel()) + int(self.layers[0].rotary.max()) + 1
+        return absolute
+
+    def rerotation(self, rotary: torch.Tensor, end: int, dtype: torch.dtype) -> Rerotation | None:
+        """How to move keys at rotary positions ``rotary`` [T] to consecutive positions ending at ``end - 1``, or
+        None when none move. Layers that hold the same positions in a step (every layer, for a positional policy)
+        share one answer instead of each computing the angles again."""
+        last = self._rerotation
+        if last is not None and last[0] == (end, dtype) and torch.equal(last[1], rotary):
+            return last[2]
+        target = torch.arange(end - rotary.numel(), end, device=rotary.device)
+        changed = (target != rotary).nonzero().flatten()
+        plan = None
+        if changed.numel():
+            plan = Rerotation(target, changed, *self.rotate_keys.angles(target[changed] - rotary[changed], dtype))
+        self._rerotation = ((end, dtype), rotary, plan)
+        return plan
+
+    def step_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's absolute and rotary positions on ``device``, copied there once per step for every layer (a
+        copy per layer made each GPU decode step wait on the host 2 x layers times)."""
+        if self._step_device is None or self._step_device[0] != device:
+            self._step_device = (device, self.step_positions.to(device), self.step_rotary.to(device))
+        return self._step_device[1], self._step_device[2]
+
+    def begin_forward(self, absolute: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Set the positions of the tokens about to be fed; return (position_ids, cache_position) for the model."""
+        self.step = step
+        self.step_positions = absolute.cpu()
+        self.step_rotary = self.next_rotary_positions(self.step_positions)
+        self._step_device = None
+        self.step_rotary_end = int(self.step_rotary.max()) + 1
+        if self.ledger is not None:
+            self.ledger.ensure(int(absolute.max()) + 1)
+        stored = self.get_seq_length()
+        cache_position = torch.arange(stored, stored + absolute.numel())
+        return self.step_rotary.unsqueeze(0), cache_position
+
+    # -- attention listener: methods that score entries by the current query's attention -------------------------
+    def wants(self, layer_idx: int) -> bool:
+        return self.decoding and self.stack.eviction is not None and self.stack.eviction.scores_attention
+
+    def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
+        layer = self.layers[layer_idx]
+        layer.apply_keep(layer.eviction.select(layer.view(attention=probs)))
+
+    # -- prefill and forking ----------------------------------------------------------------------------------
+    @classmethod
+    def fork(
+        cls,
+        prefill: KVCache,
+        stack: MethodStack,
+        stats: Any = None,
+        ledger: EvictionLedger | None = None,
+        rotate_keys: KeyRotator | None = None,
+        protected: torch.Tensor | None = None,
+    ) -> KVCache:
+        """A new cache holding ``prefill``'s entries under ``stack``: stored its way, compressed by its eviction.
+
+        ``prefill`` is a dense cache after the prompt's forward; it is not modified, so many methods can fork it.
+        ``protected``: absolute positions the eviction may never drop (see :mod:`kvviz.cache.protect`).
+        """
+        cache = cls(len(prefill.layers), stack, ledger, rotate_keys, protected)
+        cache.prompt_length = prefill.prompt_length
+        cache.step = 0
+        for source, layer in zip(prefill.layers, cache.layers, strict=True):
+            keys, values = source.storage.materialize()
+            layer.lazy_initialization(keys, values)
+            if stack.architecture is not None:  # projections from the prompt's own K/V; appends read step_rotary
+                cache.step_rotary = source.rotary[0, 0].cpu()
+                layer.storage.calibrate(keys, values, cache.step_rotary)
+            layer.storage.append(keys, values)
+            heads = layer.storage.cache_heads(keys.shape[1])  # every head of the dense prefill holds the same tokens
+            layer.positions, layer.rotary = source.positions[:, :heads].clone(), source.rotary[:, :heads].clone()
+            if layer.eviction is not None:
+                layer.apply_keep(layer.eviction.prefill_select(layer.view(), stats))
+                layer.block(layer.eviction.prefill_blocked(layer.layer_idx))
+        cache.decoding = True
+        return cache
+
+    def nbytes(self) -> StorageBytes:
+        total = StorageBytes()
+        for layer in self.layers:
+            total = total + layer.nbytes()
+        return total
+
+    def nbytes_per_layer(self) -> list[int]:
+        return [layer.nbytes().total for layer in self.layers]
+
+    def kept_positions(self, layer_idx: int) -> torch.Tensor:
+        """[H_kv, T] absolute positions cached in a layer right now (batch 0); with unequal counts per head, the
+        padding slots repeat the head's last kept position."""
+        return self.layers[layer_idx].positions[0]
+
+
+@dataclass
+class KeyRotator:
+    """Rotates cached keys by per-entry position deltas with the model's rotary frequencies (rotate-half RoPE).
+
+    It reads ``inv_freq`` (which RoPE variants that rescale with length keep up to date) instead of calling the
+    rotary module: the module's autocast guard costs more than rotating a few sink keys, once per layer and step.
+    """
+
+    inv_freq: torch.Tensor
+
+    def angles(self, delta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [..., D] of the rotation by ``delta`` positions."""
+        angles = delta.to(self.inv_freq.device).unsqueeze(-1).float() * self.inv_freq.float()
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    @staticmethod
+    def apply(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = keys.shape[-1] // 2
+        return keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], dim=-1) * sin
+
+
+def rope_rotator(model: torch.nn.Module) -> KeyRotator | None:
+    """The rotator for ``model``'s keys, or None when it has no rotary embedding to read."""
+    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    return None if inv_freq is None else KeyRotator(inv_freq)

@@ -1,0 +1,248 @@
+"""The protocols the cache calls. Eviction methods choose which entries stay; quantization methods decide how
+they are stored; architecture methods change what is cached per token. All see tensors only."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvviz.cache.capture import CaptureConfig
+from kvviz.cache.spec import Budget, Method, MethodStack, SpecError
+from kvviz.cache.storage import KeptRanges
+
+
+@dataclass
+class LayerView:
+    """What an eviction method sees of one layer when it decides.
+
+    positions: [B, H_kv, T] absolute token positions of the stored entries (per KV head: heads may differ).
+    keys, values: [B, H_kv, T, D] stored entries as attention reads them, read from ``entries`` on first use (a
+        positional policy never reads them, which lets the cache fuse an append with the eviction that follows).
+    attention: the latest queries' probabilities over these entries, [B, H_q, q, T], for methods that score by
+        attention at decode time; None otherwise.
+    prompt_length: tokens in the prompt; step: 0 during prefill compression, s >= 1 at decode step s.
+    state: the method's own per-layer state (from ``new_state``); layers: the model's layer count.
+    """
+
+    layer_idx: int
+    layers: int
+    positions: torch.Tensor
+    entries: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    prompt_length: int
+    step: int
+    attention: torch.Tensor | None = None
+    state: Any = None
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.entries()[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.entries()[1]
+
+
+class EvictionMethod(Method):
+    """Decides which cached entries each layer keeps.
+
+    ``scores_attention``: the method needs the current queries' attention at every decode step (H2O, TOVA); it is
+    then called after attention, and the cache may hold one token over budget while attending. Otherwise it is called
+    right after new entries are appended, before attention, so attention never sees more than the budget.
+    ``rerotate``: cached keys take their positions inside the cache (StreamingLLM's position shift); such a method
+    keeps the same entries in every head, so one set of rotary positions serves them all.
+    ``uses_prefill_attention``: the method reads the prefill's accumulated attention per key (H2O's initial scores).
+    ``prefill_windows``: observation windows whose attention sums the method reads at prefill (SnapKV).
+    ``prefill_layer_inputs``: the method reads each attention module's prefill input (hidden states and rotary
+    embeddings, in ``AttentionStats.layer_inputs``), as kvpress scorers do.
+    """
+
+    kind = "eviction"
+    scores_attention: ClassVar[bool] = False
+    uses_prefill_attention: ClassVar[bool] = False
+    prefill_windows: ClassVar[tuple[int, ...]] = ()
+    stacks_with_architecture: ClassVar[bool] = True  # False: refused next to merge_heads / lowrank, with the reason
+    why_not_with_architecture: ClassVar[str] = ""
+    prefill_layer_inputs: ClassVar[bool] = False  # the method reads each attention layer's prefill input (kvpress)
+    own_prefill: ClassVar[bool] = False  # the method runs the prompt itself (``run_prefill(session)``: kvpress native)
+    # and leaves what it found in ``report`` (carried into MethodResult.native_report)
+    compresses_prompt_only: ClassVar[bool] = False  # True: the prompt is compressed once and nothing is evicted as
+    # tokens arrive (SnapKV, kvpress presses), so a token-by-token stream (streaming perplexity) never compresses
+
+    @property
+    def rerotate(self) -> bool:
+        return False
+
+    def capture_needs(self) -> CaptureConfig | None:
+        """What this method reads from the prefill, from its declarations above (None: nothing). A comparison's
+        needs are united (:meth:`CaptureConfig.merged`) so that one prefill serves every method."""
+        if not (self.prefill_windows or self.uses_prefill_attention or self.prefill_layer_inputs):
+            return None
+        return CaptureConfig(windows=tuple(self.prefill_windows), layer_inputs=self.prefill_layer_inputs,
+                             all_queries=self.uses_prefill_attention)
+
+    def new_state(self, layer_idx: int) -> Any:
+        return None
+
+    def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | KeptRanges | None:
+        """After the prompt's forward: entries to keep as :meth:`select` returns them, or None to keep all.
+
+        ``stats`` is the prefill's :class:`kvviz.core.capture.AttentionStats` (when the method asked for capture).
+        """
+        return self.select(view)
+
+    def prefill_blocked(self, layer_idx: int) -> torch.Tensor | None:
+        """After :meth:`prefill_select`: entries [B, H_kv, T] (True) the layer holds but never attends, so heads that
+        keep different counts share one length (kvpress's head-wise presses); None for none."""
+        return None
+
+    def select(self, view: LayerView) -> torch.Tensor | KeptRanges | None:
+        """During decoding: indices [B, H_kv, n] (ascending) of entries to keep, or :class:`KeptRanges` when every
+        head keeps the same ranges (cheaper to apply), or None to keep all."""
+        return None
+
+    def budget_for(self, prompt_length: int) -> int | None:
+        """Tokens kept per head at steady state, for the memory formula; None when unbounded."""
+        return None
+
+    def layer_budget_for(self, prompt_length: int, layer_idx: int, layers: int) -> int | None:
+        """Tokens kept per head in layer ``layer_idx`` of ``layers`` at steady state: :meth:`budget_for` unless
+        the method spreads its budget over layers (pyramidkv, per_layer)."""
+        return self.budget_for(prompt_length)
+
+    @classmethod
+    def at_budget(cls, tokens: int, prompt_length: int | None = None) -> EvictionMethod | None:
+        """This method set to keep about ``tokens`` entries per head of a ``prompt_length``-token prompt (for sweeps
+        and page defaults): ``tokens`` split over its Budget parameters. None when it cannot be sized that way."""
+        budgets = [p.name for p in cls.params if p.type is Budget]
+        if not budgets:
+            return None
+        shares = [tokens // len(budgets)] * len(budgets)
+        shares[-1] += tokens - sum(shares)
+        return cls(**{name: max(1, share) for name, share in zip(budgets, shares, strict=True)})
+
+    def check_context(self, prompt_length: int) -> None:
+        """Raise SpecError when the parameters cannot work on a prompt of this length."""
+
+
+
+class ScoringEviction(EvictionMethod):
+    """An eviction method that is its score: the base applies the budget and keeps the top entries per head.
+
+    A subclass gives :meth:`prefill_scores` (and :meth:`decode_scores` unless it compresses the prompt only); when
+    the budget covers every entry nothing is scored, as kvpress's ``ScorerPress`` does.
+    """
+
+    def keep_count(self, view: LayerView, stats: Any = None) -> int:
+        """Entries each head keeps: the ``budget`` parameter's tokens on this prompt, unless a subclass says else."""
+        return self.budget.tokens(view.prompt_length)
+
+    def prefill_scores(self, view: LayerView, stats: Any) -> torch.Tensor:
+        """Every cached entry's score after the prompt, [B, H_kv, T] (higher = keep); the decode score by default."""
+        return self.decode_scores(view)
+
+    def decode_scores(self, view: LayerView) -> torch.Tensor:
+        """Every cached entry's score during decoding, [B, H_kv, T] (or [B, 1, T]: one ranking for every head)."""
+        raise NotImplementedError
+
+    def always_kept(self, view: LayerView) -> torch.Tensor | None:
+        """Entries kept whatever their score (a bool mask [T]), or None."""
+        return None
+
+    def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | None:
+        return self._top(view, self.keep_count(view, stats), lambda: self.prefill_scores(view, stats))
+
+    def select(self, view: LayerView) -> torch.Tensor | None:
+        if self.compresses_prompt_only:
+            return None  # tokens generated after the prompt are all kept
+        return self._top(view, self.keep_count(view), lambda: self.decode_scores(view))
+
+    def _top(self, view: LayerView, count: int, scores: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        batch, heads, length = view.positions.shape
+        if count >= length:
+            return None
+        return topk_keep(scores().to(view.positions.device).expand(batch, heads, length), count,
+                         self.always_kept(view))
+
+
+def per_kv_head(per_query_head: torch.Tensor, kv_heads: int, mean: bool = False) -> torch.Tensor:
+    """Fold [B, H_q, T] scores over the query heads that share each KV head (GQA): [B, H_kv, T]."""
+    batch, q_heads, length = per_query_head.shape
+    grouped = per_query_head.reshape(batch, kv_heads, q_heads // kv_heads, length)
+    return grouped.mean(2) if mean else grouped.sum(2)
+
+
+def topk_keep(scores: torch.Tensor, count: int, forced: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Keep the ``count`` highest-scoring entries per head (plus ``forced`` ones), returned in ascending order.
+
+    ``scores`` [B, H, T]; ``forced`` a bool mask [T] or [B, H, T] of entries always kept (sinks, recent window).
+    """
+    length = scores.shape[-1]
+    if count >= length:
+        return None
+    scores = scores.float()
+    if forced is not None:
+        scores = scores.masked_fill(forced.expand_as(scores), float("inf"))
+    chosen = scores.topk(count, dim=-1).indices
+    return chosen.sort(dim=-1).values
+
+
+class QuantizationMethod(Method):
+    """Decides how entries are stored: builds one storage object per layer (see :mod:`kvviz.core.storage`)."""
+
+    kind = "quantization"
+
+    def new_storage(self, layer_idx: int):
+        raise NotImplementedError
+
+    def bits_per_element(self, head_dim: int, value_dim: int | None = None) -> float:
+        """Average stored bits per K/V element including metadata, ignoring any full-precision residual.
+
+        Over one key of ``head_dim`` and one value of ``value_dim`` elements (default ``head_dim``; MLA models cache
+        keys wider than values), so ``elements * bits_per_element / 8`` is the quantized cache's size.
+        """
+        raise NotImplementedError
+
+
+def per_element(key_bits: float, value_bits: float, head_dim: int, value_dim: int | None) -> float:
+    """Bits per element over a key of ``head_dim`` and a value of ``value_dim`` (default ``head_dim``) elements,
+    given the bits each of them holds in all (codes and metadata)."""
+    return (key_bits + value_bits) / (head_dim + (value_dim or head_dim))
+
+
+class ArchitectureMethod(Method):
+    """Changes what the cache holds per token (fewer KV heads, a low-rank latent) by wrapping the layer's storage.
+
+    The wrapper compresses incoming K/V into the stored form (which the quantizer, if any, stores) and hands
+    attention the model's K/V shape back from ``materialize``; that expansion is a simulated kernel and not counted.
+    Eviction sees ``cache_heads`` heads: the stored ones.
+    """
+
+    kind = "architecture"
+
+    def check_stack(self, stack: MethodStack) -> None:
+        eviction = stack.eviction
+        if eviction is not None and not eviction.stacks_with_architecture:
+            raise SpecError(f"{eviction.name} does not stack with an architecture method ({self.name}): "
+                            f"{eviction.name} {eviction.why_not_with_architecture}")
+
+    def check_model(self, kv_heads: int, head_dim: int) -> None:
+        """Raise SpecError when the parameters do not fit a model with this many KV heads of this size."""
+
+    def cache_heads(self, kv_heads: int) -> int:
+        """Heads the cache stores per layer (what eviction chooses per head)."""
+        return kv_heads
+
+    def cache_fraction(self, kv_heads: int, head_dim: int) -> float:
+        """Stored elements per token as a share of the model's ``2 * kv_heads * head_dim``: the formula's factor."""
+        return 1.0
+
+    def stored_dim(self, kv_heads: int, head_dim: int) -> int:
+        """Length of each stored vector (what a quantizer groups): the head dim, or a latent's rank."""
+        return head_dim
+
+    def wrap_storage(self, layer_idx: int, inner: Any, cache: Any) -> Any:
+        """The layer's storage: ``inner`` (dense or quantized) holds the stored form; ``cache`` gives positions."""
+        raise NotImplementedError

