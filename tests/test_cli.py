@@ -31,7 +31,7 @@ def test_compare_needs_exactly_one_prompt_source(capsys):
 def test_compare_prints_a_markdown_table_from_a_play_excerpt(tiny_model, monkeypatch, capsys):
     from kvviz import cli
 
-    monkeypatch.setattr(cli, "_load", lambda args: tiny_model)
+    monkeypatch.setattr(cli.options, "load", lambda args: tiny_model)
     code = main(["compare", "--play", "hamlet", "--play-tokens", "60", "--question", "Who is there?",
                  "--method", "full", "--method", "window:window=16+fp8", "--max-new-tokens", "3", "--quiet",
                  "--markdown"])

@@ -27,7 +27,7 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
 
 
 def test_ppl_of_full_equals_the_models_own_loss(real_model, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda args: real_model)  # the command as run, on the shared model
+    monkeypatch.setattr(cli.options, "load", lambda args: real_model)  # the command as run, on the shared model
     out = tmp_path / "ppl.json"
     assert main(["ppl", "--play", "hamlet", "--tokens", "160", "--start", "0", "--json", str(out), "--quiet"]) == 0
     data = json.loads(out.read_text())
@@ -40,7 +40,7 @@ def test_ppl_of_full_equals_the_models_own_loss(real_model, tmp_path, monkeypatc
 
 
 def test_needle_command_query_agnostic_end_to_end(real_model, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda args: real_model)
+    monkeypatch.setattr(cli.options, "load", lambda args: real_model)
     out = tmp_path / "needle.json"
     code = main(["needle", "--lengths", "300", "--depths", "0.5", "--mode", "query_agnostic", "--json", str(out),
                  "--quiet"])

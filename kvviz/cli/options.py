@@ -1,0 +1,67 @@
+"""The options several commands share, and reading them: the model to load, the output flags, files, numbers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from kvviz.methods import parse_spec
+from kvviz.runtime.models import DEFAULT_MODEL, WEIGHT_MODES, LoadedModel
+
+
+class UsageError(Exception):
+    """A user mistake reported as one line with exit code 2."""
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=os.environ.get("KVVIZ_MODEL", DEFAULT_MODEL),
+                        help=f"embedded default ({DEFAULT_MODEL}), a hub id or a local folder (env KVVIZ_MODEL)")
+    parser.add_argument("--device", default=None, help="auto (default; env KVVIZ_DEVICE), cpu, cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default=None, help="auto (bf16 on CUDA, fp32 elsewhere), float32, bfloat16")
+    parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
+                        help="bitsandbytes weight quantization: int8 or nf4 (default: model's dtype)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="allow model code from the hub to run (off unless given)")
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """--json and --quiet, shared by the commands that run the model and report results."""
+    parser.add_argument("--json", metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def load(args: argparse.Namespace) -> LoadedModel:
+    """The model the model options name (tests replace this to run a command on a shared model)."""
+    from kvviz.runtime.models import load_model
+
+    return load_model(args.model, args.device, args.dtype, args.weights, args.trust_remote_code)
+
+
+def read_text(path: str) -> str:
+    file = Path(path)
+    if not file.is_file():
+        raise UsageError(f"no such file: {path}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UsageError(f"{path} is not UTF-8 text") from None
+
+
+def numbers(text: str, kind: type, option: str) -> list:
+    """Comma-separated numbers from an option, or a one-line UsageError."""
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values:
+        raise UsageError(f"bad {option} {text!r}: expected comma-separated {kind.__name__} values")
+    return values
+
+
+def methods(args: argparse.Namespace, default: list[str] | None = None) -> list[str]:
+    """The --method SPECs (``default`` when none is given), each parsed now: a bad one fails before any loading."""
+    specs = args.method or list(default or ["full"])
+    for spec in specs:
+        parse_spec(spec)
+    return specs

@@ -1,0 +1,79 @@
+"""``tail``: the tail tasks per method: calibrated accuracy, and what the ledger says each failure lost."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvviz.cli import options
+from kvviz.cli.options import UsageError
+from kvviz.cli.output import progress_unless, write_json
+
+
+def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser("tail", help="multi-key, multi-value, multi-hop and instruction tasks per method")
+    options.add_model_options(parser)
+    parser.add_argument("--tasks", default="needle,multikey,multivalue,vartrack,instructions",
+                        help="comma-separated: needle, multikey, multivalue, vartrack, instructions (default: all)")
+    parser.add_argument("--lengths", default="256,512", help="prompt lengths in tokens (default 256,512)")
+    parser.add_argument("--depths", default="0.25,0.75",
+                        help="depths of the first planted statement (default 0.25,0.75)")
+    parser.add_argument("--hops", default="1,2,3,4", help="vartrack chain lengths, 1 to 4 (default 1,2,3,4)")
+    parser.add_argument("--method", action="append", metavar="SPEC",
+                        help="repeat for several (full always runs first)")
+    parser.add_argument("--protect", action="append", choices=("system", "planted"),
+                        help="also run every eviction method with these spans protected (repeatable)")
+    parser.add_argument("--trials", type=int, default=1, help="items per cell (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", default="query_aware",
+                        help="query_aware (question compressed with the context) or query_agnostic (asked after)")
+    options.add_output_options(parser)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvviz.studies.tail import TASKS, run_tail
+
+    specs = options.methods(args)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise UsageError(f"unknown task(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(TASKS)}")
+    lengths = options.numbers(args.lengths, int, "--lengths")
+    depths = options.numbers(args.depths, float, "--depths")
+    hops = options.numbers(args.hops, int, "--hops")
+    loaded = options.load(args)
+    report = run_tail(loaded, specs, tasks, lengths, depths, hops, args.trials, args.seed, args.mode,
+                      args.protect or [], progress_unless(args.quiet))
+    if args.json:
+        write_json(args.json, report.to_json())
+    if args.json != "-":
+        _print_tail(report)
+    return 0
+
+
+def _print_tail(report) -> None:
+    print(f"tail tasks ({report.settings['mode']}), {report.seconds:.1f}s; calibration (full right / generated):")
+    print("  " + ", ".join(f"{c['task']} {c['kept']}/{c['generated']}{' instr.' if c['unit'] == 'instructions' else ''}"
+                           for c in report.calibration))
+    rows = report.summary()
+    tasks = list(dict.fromkeys(r["task"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    table = {(r["task"], r["method"]): r for r in rows}
+    width = max(len(m) for m in methods) + 2
+    print(f"\naccuracy on kept items (* = some failure lost a planted span to eviction)\n{'method':<{width}}"
+          + "".join(f"{t:>16}" for t in tasks))
+    for method in methods:
+        marks = []
+        for task in tasks:
+            row = table.get((task, method))
+            star = "*" if row and row["failures_evicted"] else ""
+            marks.append("-" if row is None else f"{row['accuracy']:.0%} ({row['items']}){star}")
+        print(f"{method:<{width}}" + "".join(f"{m:>16}" for m in marks))
+    lost = [c for c in report.cells if not c.correct]
+    if lost:
+        print("\nfailures:")
+    for cell in lost:
+        where = "; ".join(f"{f.label} at step {f.evicted_step} in {len(f.evicted_layers)} layers"
+                          for f in cell.spans if f.evicted)
+        print(f"  {cell.method} on {cell.item_id}: {cell.cause}{': ' + where if where else ''}; "
+              f"answer {cell.answer.strip()[:60]!r}")
