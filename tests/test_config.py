@@ -1,11 +1,14 @@
 """Settings from the environment and the messages failures turn into."""
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
 from kvviz.methods import SpecError
 from kvviz.runtime.faults import describe_error
-from kvviz.runtime.settings import Settings, SettingsError
+from kvviz.runtime.settings import APP, MAX_PROMPT_TOKENS, VARIABLES, Settings, SettingsError
 
 
 def test_defaults_and_class_mode():
@@ -34,3 +37,29 @@ def test_errors_become_actionable_messages():
     assert describe_error(SpecError("unknown method 'x'; valid: full")) == "unknown method 'x'; valid: full"
     assert "unreachable" in describe_error(OSError("We couldn't connect to 'https://huggingface.co'"))
     assert describe_error(RuntimeError("bad\ntrace")) == "RuntimeError: bad"
+
+
+READERS = ("kvviz", "kvviz_app", "views", "app.py", "docker", "Dockerfile", "compose.yaml", "scripts", "Makefile")
+
+
+def _read_code() -> str:
+    root = Path(__file__).resolve().parents[1]
+    files = [p for name in READERS for p in ([root / name] if (root / name).is_file() else (root / name).rglob("*"))
+             if p.is_file() and p.suffix in ("", ".py", ".sh", ".yaml") and p.name != "settings.py"]
+    return "\n".join(p.read_text() for p in files)
+
+
+def test_every_environment_variable_the_code_reads_is_declared_once():
+    """The docs' one table is rendered from VARIABLES, so a variable read anywhere must be declared there."""
+    code = _read_code()
+    read = set(re.findall(r"\bKVVIZ_[A-Z_]+\b", code)) | set(re.findall(r"environ\.get\(\"([A-Z_]+)\"", code))
+    declared = [v.name for v in VARIABLES]
+    assert len(declared) == len(set(declared))
+    assert read - set(declared) == set(), "declare these in kvviz/runtime/settings.py's VARIABLES"
+    unread = [v.name for v in VARIABLES if v.read_by != APP and not re.search(rf"\b{v.name}\b", code)]
+    assert unread == [], "declared but read nowhere outside Settings.from_env"
+
+
+def test_settings_take_their_defaults_from_the_declarations():
+    assert Settings.from_env({}) == Settings()
+    assert Settings().max_prompt_tokens == int(MAX_PROMPT_TOKENS.default)

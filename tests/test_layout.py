@@ -1,4 +1,5 @@
-"""The README's layout section is the map a newcomer reads: it must name every module, and nothing that is gone."""
+"""The layout map in docs/architecture.md is the map a newcomer reads: it must name every module, and nothing that
+is gone."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAPPED = ("kvviz", "kvviz_app", "views")  # every Python file in these folders has its line in the README
+MAPPED = ("kvviz", "kvviz_app", "views")  # every Python file in these folders has its line in the map
+MAP = ROOT / "docs" / "architecture.md"
 
 
-def readme_layout() -> set[str]:
-    """Paths named in the README's layout block: a line's first word, under the folders it is indented beneath."""
-    text = (ROOT / "README.md").read_text()
+def layout_map() -> set[str]:
+    """Paths named in the layout block: a line's first word, under the folders it is indented beneath."""
+    text = MAP.read_text()
     block = re.search(r"^## Layout\n.*?^```\n(.*?)^```", text, re.S | re.M).group(1)
     named, parents = set(), []
     for line in block.splitlines():
@@ -32,13 +34,13 @@ def modules() -> set[str]:
     return {f for f in files if not f.endswith(("__init__.py", "__main__.py"))}
 
 
-def test_the_readme_layout_names_every_module():
-    named = readme_layout()
+def test_the_layout_map_names_every_module():
+    named = layout_map()
     covered = {m for m in modules() if m in named or any(m.startswith(f"{folder}/") for folder in named
                                                           if folder in ("kvviz/methods", "kvviz/bench/sections"))}
-    assert modules() - covered == set(), "add these to the README's layout section"
+    assert modules() - covered == set(), "add these to the layout map in docs/architecture.md"
 
 
-def test_everything_the_readme_layout_names_exists():
-    missing = sorted(p for p in readme_layout() if not (ROOT / p).exists())
-    assert missing == [], "the README's layout names paths that are gone"
+def test_everything_the_layout_map_names_exists():
+    missing = sorted(p for p in layout_map() if not (ROOT / p).exists())
+    assert missing == [], "the layout map in docs/architecture.md names paths that are gone"

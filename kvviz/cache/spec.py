@@ -243,3 +243,27 @@ def budget_spec(name: str, tokens: int, prompt_length: int | None = None, **over
                 if overrides else sized.spec())
     except SpecError:
         return None
+
+
+def methods_markdown(registry: dict[str, type[Method]] | None = None) -> str:
+    """Every registered method, by axis, with its summary and declared parameters (docs/methods.md carries it)."""
+    registry = REGISTRY if registry is None else registry
+
+    def cell(text: object) -> str:
+        return str(text).replace("|", "\\|")
+
+    lines: list[str] = []
+    for kind in KINDS:
+        for name in sorted(n for n, cls in registry.items() if cls.kind == kind):
+            method = registry[name]
+            lines += [f"### `{name}` ({kind})", "", method.summary, ""]
+            if not method.params:
+                lines += ["No parameters.", ""]
+                continue
+            lines += ["| parameter | default | values | meaning |", "|---|---|---|---|"]
+            for param in method.params:
+                values = "budget" if param.type is Budget else param.describe_range()
+                default = _format_value(param.parse(name, param.default))
+                lines.append(f"| `{param.name}` | `{cell(default)}` | {cell(values)} | {cell(param.help)} |")
+            lines.append("")
+    return "\n".join(lines).rstrip("\n")

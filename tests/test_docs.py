@@ -1,0 +1,95 @@
+"""The docs a newcomer walks: a short README, links that lead somewhere, and tables generated from the code."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+
+from kvviz.methods import KINDS, REGISTRY
+from kvviz.runtime.settings import variables_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _tables_script():
+    spec = importlib.util.spec_from_file_location("docs_tables", ROOT / "scripts" / "docs_tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def prose(text: str) -> str:
+    """The text outside code: fenced blocks, indented blocks and inline code removed."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"^    .*$", "", text, flags=re.M)
+    return re.sub(r"`[^`\n]*`", "", text)
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors a Markdown renderer gives the headings of ``path`` (GitHub's rule, repeats numbered)."""
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M),
+                              flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        anchor, repeat = slug, 0
+        while anchor in found:
+            repeat += 1
+            anchor = f"{slug}-{repeat}"
+        found.add(anchor)
+    return found
+
+
+def broken_links(path: Path) -> list[str]:
+    broken = []
+    for target in LINK.findall(prose(path.read_text())):
+        if re.match(r"[a-z]+:", target):
+            continue  # a web address, checked by nobody here
+        file_part, _, anchor = target.partition("#")
+        linked = (path.parent / file_part).resolve() if file_part else path
+        if not linked.exists():
+            broken.append(f"{target} (no such file)")
+        elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+            broken.append(f"{target} (no such heading)")
+    return broken
+
+
+def test_the_readme_fits_in_150_lines():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_every_relative_link_leads_to_a_file_and_heading(path):
+    assert broken_links(path) == []
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_no_reference_to_numbered_issues_a_reader_cannot_see(path):
+    assert re.findall(r"\bissues?\s*#?\d+|(?<![\w/&])#\d+\b", path.read_text(), flags=re.I) == []
+
+
+def test_the_link_checker_catches_a_missing_file_and_heading(tmp_path):
+    (tmp_path / "a.md").write_text("# Top\n\n[ok](#top) [gone](b.md) [bad](a.md#nowhere) `[code](c.md)`\n")
+    assert broken_links(tmp_path / "a.md") == ["b.md (no such file)", "a.md#nowhere (no such heading)"]
+
+
+def test_the_environment_table_is_the_one_the_settings_render():
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    assert variables_markdown() in text
+    assert text.count("| variable | default |") == 1, "one environment-variable table"
+
+
+def test_every_generated_block_matches_the_code():
+    tables = _tables_script()
+    stale = [name for name, (_, render) in tables.BLOCKS.items() if tables.current(name) != render()]
+    assert stale == [], "run: python scripts/docs_tables.py"
+
+
+def test_the_readme_names_every_method_on_its_axis():
+    rows = {kind: re.search(rf"^\| {kind} \|.*$", (ROOT / "README.md").read_text(), re.M) for kind in KINDS}
+    named = {kind: set(re.findall(r"`(\w+)`", row.group(0))) for kind, row in rows.items() if row}
+    assert named == {kind: {n for n, cls in REGISTRY.items() if cls.kind == kind} for kind in KINDS}
