@@ -1,6 +1,6 @@
 """End to end in a real browser: serve the app, visit every page in headless chromium, run a comparison.
 
-Screenshots of each page land in docs/screenshots/ (the README shows them).
+Screenshots of each page land in docs/screenshots/ (docs/architecture.md shows them).
 """
 
 from __future__ import annotations

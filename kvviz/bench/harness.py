@@ -116,7 +116,7 @@ class BenchReport:
         return [f"{s.name}.{f.name}" for s in self.sections for f in s.figures if f.passed is False]
 
     def table(self) -> str:
-        """A markdown table of every figure (the README's Performance section is pasted from it)."""
+        """A markdown table of every figure (docs/performance.md's tables are pasted from it)."""
         lines = ["| section | figure | value | target | pass |", "|---|---|---|---|---|"]
         for section in self.sections:
             if section.skipped:

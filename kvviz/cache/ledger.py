@@ -75,7 +75,7 @@ class EvictionLedger:
         return self.evicted_at.numel() * self.evicted_at.element_size()
 
     def to_json(self, total_length: int) -> dict:
-        """The compact form compare's JSON carries (documented in the README).
+        """The compact form compare's JSON carries (documented in docs/cli.md).
 
         ``evicted_at``: per layer, per KV head, a list of [position, step] pairs for evicted tokens only.
         ``kept_per_layer``: per layer, tokens still cached per KV head at the end.
