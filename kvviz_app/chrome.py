@@ -7,6 +7,7 @@ import streamlit as st
 from kvviz.runtime.faults import describe_error
 from kvviz.runtime.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.runtime.settings import Settings
+from kvviz_app.url import ICON, Read, linked, listing, read_text, shown, unknown_settings
 
 
 def settings() -> Settings:
@@ -20,11 +21,13 @@ def cached_model(name: str, weights: str = "auto") -> LoadedModel:
     return load_model(name, device=settings().device, weights=weights)
 
 
-def page_header(tab: str | None, title: str, caption: str) -> None:
-    """Every page's browser tab ("kvviz · <tab>"), title and short explanation, set the same way."""
+def page_header(tab: str | None, title: str, caption: str, link_settings: tuple[str, ...] = ()) -> None:
+    """Every page's browser tab ("kvviz · <tab>"), title and short explanation, set the same way, and a notice for
+    any setting in the link that the page does not have (``link_settings`` are its own; ``model`` is every page's)."""
     st.set_page_config(page_title=f"kvviz · {tab}" if tab else "kvviz", page_icon="🗜️", layout="wide")
     st.title(title)
     st.caption(caption)
+    unknown_settings(("model", *link_settings))
 
 
 def require_model() -> LoadedModel:
@@ -35,6 +38,20 @@ def require_model() -> LoadedModel:
     return loaded
 
 
+def model_from_link() -> Read[str]:
+    """The model the link names: one this server offers, or (outside class mode) any hub id; anything else (a path,
+    a typo) gets the first offered model and a notice saying so. What a link names is never used as a local path."""
+    config = settings()
+    options = config.models_offered
+    read = read_text("model", options[0])
+    if read.value in options or (not config.class_mode and is_hub_id(read.value)):
+        return read
+    why = "is not offered on this server" if config.class_mode else (
+        "is neither a model this server offers nor a hub id like 'Qwen/Qwen2.5-0.5B-Instruct'")
+    return Read(options[0], f"The link's {shown('model', read.value)} {why}; using {options[0]}. "
+                            f"Offered: {listing(options)}.")
+
+
 def model_picker() -> LoadedModel | None:
     """Sidebar picker shared by every page; returns the loaded model or shows why it failed.
 
@@ -43,19 +60,17 @@ def model_picker() -> LoadedModel | None:
     """
     config = settings()
     options = config.models_offered
-    chosen = st.query_params.get("model", options[0])
+    chosen = model_from_link()
     with st.sidebar:
         st.subheader("Model")
         if config.class_mode:
-            if chosen not in options:
-                st.warning(f"'{chosen}' is not offered on this server; choose one of the listed models.")
-                chosen = options[0]
-            name = st.selectbox("Model", options, index=options.index(chosen), key="model_name")
+            name = linked("model_name", chosen, lambda value: st.selectbox("Model", options, index=options.index(value),
+                                                                           key="model_name"))
         else:
-            extra = [] if chosen in options or not is_hub_id(chosen) else [chosen]
-            chosen = chosen if chosen in options + extra else options[0]
-            name = st.selectbox("Model", options + extra + ["other…"], index=(options + extra).index(chosen),
-                                key="model_name", help="The embedded default runs everywhere; others need the hub.")
+            offered = options + ([] if chosen.value in options else [chosen.value])
+            name = linked("model_name", chosen, lambda value: st.selectbox(
+                "Model", offered + ["other…"], index=offered.index(value), key="model_name",
+                help="The embedded default runs everywhere; others need the hub."))
             if name == "other…":
                 name = st.text_input("Hugging Face hub id", key="model_custom",
                                      placeholder="Qwen/Qwen2.5-0.5B-Instruct").strip()
@@ -72,6 +87,13 @@ def model_picker() -> LoadedModel | None:
     except (ModelError, OSError, ValueError) as error:
         st.sidebar.error(f"Could not load {name}: {describe_error(error)}")
         return None
+
+
+def model_link_notice() -> None:
+    """For a page without the sidebar's model picker: say when the link names a model this server cannot use."""
+    notice = model_from_link().notice
+    if notice:
+        st.warning(notice, icon=ICON)
 
 
 def device_status(loaded: LoadedModel) -> dict[str, str]:

@@ -12,16 +12,19 @@ from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
 from kvviz_app import plots
 from kvviz_app.chrome import settings
+from kvviz_app.url import linked, read_text
 
 
 def prompt_input(key: str, default: str, height: int = 160) -> str | None:
-    """A prompt from a text box or an uploaded .txt/.md file (size-limited).
+    """A prompt from a text box (started from the link's ``prompt``, else ``default``) or an uploaded .txt/.md file
+    (size-limited).
 
     A rejected upload returns None (its error shown) rather than falling back to the text box: the page then runs
     nothing until the user removes or replaces the file.
     """
     limit = settings().max_upload_mb
-    text = st.text_area("Prompt", default, height=height, key=f"{key}_text")
+    text = linked(f"{key}_text", read_text("prompt", default),
+                  lambda value: st.text_area("Prompt", value, height=height, key=f"{key}_text"))
     upload = st.file_uploader(f"…or upload a .txt / .md file (up to {limit} MB)", type=["txt", "md"],
                               key=f"{key}_file")
     if upload is not None:

@@ -8,7 +8,7 @@ from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, prompt_input, token_texts
 from kvviz_app.queue import attention_stats
-from kvviz_app.url import query_value, share_settings
+from kvviz_app.url import flag_setting, linked, number_setting, read_number, share_settings
 
 DEFAULT_PROMPT = (
     "The committee met on Tuesday to decide where the new bridge should go. The engineers preferred the northern "
@@ -22,23 +22,22 @@ page_header("Attention", "Where attention goes",
             f"lands on the first tokens (sinks), which tokens receive the most (heavy hitters), and what each head's "
             f"pattern looks like. Attention matrices are block-averaged to at most {MATRIX_SIZE} bins a side; prompts "
             f"over this server's limit ({settings().max_prompt_tokens:,} tokens) are refused unless you let the page "
-            "cut their middle.")
+            "cut their middle.", link_settings=("chat", "sinks", "layer", "head", "prompt"))
 
 loaded = require_model()
 card = model_card(loaded)
 
 with st.sidebar:
     st.subheader("Capture")
-    chat = st.toggle("Chat template", query_value("chat", False), key="chat")
-    sinks = st.number_input("Sink tokens", 1, 16, query_value("sinks", 4), key="sinks",
-                            help="How many leading tokens count as attention sinks.")
-    layer = st.slider("Layer", 0, card.layers - 1, min(card.layers - 1, query_value("layer", card.layers // 2)),
-                      key="layer")
-    head = st.selectbox("Query head", list(range(card.q_heads)), index=min(card.q_heads - 1, query_value("head", 0)),
-                        key="head")
+    chat = flag_setting("Chat template", "chat", False, key="chat")
+    sinks = number_setting("Sink tokens", "sinks", 4, 1, 16, key="sinks",
+                           help="How many leading tokens count as attention sinks.")
+    layer = number_setting("Layer", "layer", card.layers // 2, 0, card.layers - 1, key="layer", slider=True)
+    head = linked("head", read_number("head", 0, 0, card.q_heads - 1), lambda value: st.selectbox(
+        "Query head", list(range(card.q_heads)), index=value, key="head"))
 share_settings(chat=chat, sinks=int(sinks), layer=layer, head=head)
 
-text = prompt_input("attention", query_value("prompt", DEFAULT_PROMPT, str), height=120)
+text = prompt_input("attention", DEFAULT_PROMPT, height=120)
 ids = encode(loaded, text, chat)
 if ids is None:
     st.stop()

@@ -12,15 +12,16 @@ from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, method_output, native_report, prompt_input, token_texts
 from kvviz_app.queue import run_comparison
-from kvviz_app.url import index_of, query_value, share_settings
-from kvviz_app.widgets import method_configurator, methods_of
+from kvviz_app.url import choice_setting, flag_setting, number_setting, plural, share_settings
+from kvviz_app.widgets import method_grid, methods_of
 
 MAX_CONFIGS = 6
 DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py, tests/test_lessons.py)
 
 page_header("Compare", "Compare cache configurations",
             "The prompt runs through the model once; each configuration then generates from its own copy of the "
-            "cache. `full` keeps everything and is the reference every other output is compared with.")
+            "cache. `full` keeps everything and is the reference every other output is compared with.",
+            link_settings=("m", "n", "chat", "prompt", "kept", "layer"))
 
 loaded = require_model()
 
@@ -41,34 +42,27 @@ def default_specs() -> list[str]:
     return specs
 
 
-url_specs = st.query_params.get_all("m") or default_specs()
 cap = settings().max_new_tokens
 with st.sidebar:
     st.subheader("Generation")
-    max_new = st.number_input("Max new tokens", 1, cap, min(cap, query_value("n", 24)), key="max_new")
-    chat = st.toggle("Chat template", query_value("chat", True), key="chat",
-                     help="Wrap the prompt as one user turn, as the instruct model expects.")
-    count = st.number_input("Configurations", 1, MAX_CONFIGS, min(MAX_CONFIGS, len(url_specs)), key="configs")
+    max_new = number_setting("Max new tokens", "n", min(cap, 24), 1, cap, key="max_new")
+    chat = flag_setting("Chat template", "chat", True, key="chat",
+                        help="Wrap the prompt as one user turn, as the instruct model expects.")
 
-text = prompt_input("compare", query_value("prompt", DEFAULT_PROMPT, str))
+text = prompt_input("compare", DEFAULT_PROMPT)
 
 st.subheader("Configurations")
 st.caption(f"{len(methods_of('architecture'))} architecture, "
            f"{len([n for n in REGISTRY if REGISTRY[n].kind == 'eviction']) - 1} eviction and "
            f"{len(methods_of('quantization'))} quantization methods are registered; parameters come from each "
            "method's own declaration.")
-specs: list[str | None] = []
-columns = st.columns(3)
-for index in range(int(count)):
-    with columns[index % 3].container(border=True):
-        st.markdown(f"**Configuration {index + 1}**")
-        specs.append(method_configurator(index, url_specs[index] if index < len(url_specs) else "full"))
-
-valid = list(dict.fromkeys(s for s in specs if s is not None))
-share_settings(m=valid, n=int(max_new), chat=chat)
+grid = method_grid("cfg", default_specs(), MAX_CONFIGS, per_row=3)
+valid = grid.valid
+share_settings(m=grid.shared, n=int(max_new), chat=chat)
 ids = encode(loaded, text, chat, int(max_new))
-ready = ids is not None and None not in specs
-if st.button("Run comparison", type="primary", disabled=not ready):
+if grid.blocked():
+    st.warning(grid.blocked())
+if st.button("Run comparison", type="primary", disabled=ids is None or not grid.ready):
     st.session_state["compare_request"] = (tuple(ids), tuple(valid), int(max_new))
 
 request = st.session_state.get("compare_request")
@@ -80,7 +74,7 @@ if request != (tuple(ids or ()), tuple(valid), int(max_new)):
 
 comparison = run_comparison(loaded, list(request[0]), list(request[1]), request[2], "compare_request")
 results = comparison.results
-st.success(f"{len(results)} configurations on {comparison.prompt_tokens} prompt tokens "
+st.success(f"{plural(len(results), 'configuration')} on {plural(comparison.prompt_tokens, 'prompt token')} "
            f"(prefill {comparison.prefill_seconds:.2f} s on {comparison.device}).")
 
 st.subheader("Outputs")
@@ -155,11 +149,11 @@ else:
     card = model_card(loaded)
     pick, layer_col, step_col = st.columns(3)
     names = [r.method for r in with_ledger]
-    wanted = query_value("kept", names[0], str)
-    chosen = pick.selectbox("Method", names, index=index_of(names, wanted), key="kept_method")
+    with pick:
+        chosen = choice_setting("Method", "kept", names, names[0], key="kept_method")
     result = with_ledger[names.index(chosen)]
-    layer = layer_col.slider("Layer", 0, card.layers - 1, min(card.layers - 1, query_value("layer", 0)),
-                             key="kept_layer")
+    with layer_col:
+        layer = number_setting("Layer", "layer", 0, 0, card.layers - 1, key="kept_layer", slider=True)
     last_step = max(0, len(result.token_ids) - 1)
     step = step_col.slider("After decode step (0 = right after prefill)", 0, last_step, last_step, key="kept_step")
     share_settings(kept=chosen, layer=layer)
@@ -173,6 +167,7 @@ else:
 
 st.subheader("Download")
 left, right = st.columns(2)
-left.download_button("Results as CSV", table.to_csv(index=False), "kvviz-compare.csv", "text/csv")
-right.download_button("Results as JSON", json.dumps(comparison.to_json(), indent=1), "kvviz-compare.json",
-                      "application/json")
+left.download_button("Results as CSV", lambda: table.to_csv(index=False), "kvviz-compare.csv", "text/csv",
+                     on_click="ignore")
+right.download_button("Results as JSON", lambda: json.dumps(comparison.to_json(), indent=1), "kvviz-compare.json",
+                      "application/json", on_click="ignore")

@@ -8,49 +8,48 @@ from kvviz.planning.memory import model_card
 from kvviz.planning.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
 from kvviz.studies.needle import build_needle_prompt
 from kvviz_app import plots
-from kvviz_app.chrome import model_picker, page_header
+from kvviz_app.chrome import model_link_notice, model_picker, page_header
 from kvviz_app.queue import run_comparison
-from kvviz_app.url import index_of, query_value, share_settings
+from kvviz_app.url import choice_setting, number_setting, share_settings
 from kvviz_app.widgets import methods_of
 
 page_header("Memory planner", "Memory planner",
             "No model runs here: the numbers follow from each model's published shape. Architecture decides bytes "
             "per token (MHA, GQA, MQA, MLA); eviction caps the tokens kept; quantization shrinks the bits per "
-            "element. The three multiply. GB = 10⁹ bytes.")
+            "element. The three multiply. GB = 10⁹ bytes.",
+            link_settings=("model_config", "context", "batch", "gpu", "wbits", "util", "evict", "budget", "ratio",
+                           "kvbits", "group", "residual"))
+model_link_notice()  # the sidebar's model runs only in the measured section below
 
 catalog = load_catalog()
 names = list(catalog.models)
 gpus = list(catalog.gpus)
-wanted_model = query_value("model_config", "Llama-3-8B", str)
-wanted_gpu = query_value("gpu", "NVIDIA A100 (80 GB)", str)
 
 left, right = st.columns([1, 2])
 with left:
-    name = st.selectbox("Model", names, index=index_of(names, wanted_model),
-                        key="model_config")
+    name = choice_setting("Model", "model_config", names, "Llama-3-8B", key="model_config")
     card = catalog.card(name)
     contexts = catalog.contexts(name)
-    context = query_value("context", 8192)
-    context = st.select_slider("Context (tokens)", contexts, value=context if context in contexts else contexts[-1],
-                               key="context", help=f"Up to the {catalog.context(name):,} tokens {name} publishes. "
-                               + catalog.models[name].get("context_note", ""))
-    batch = st.number_input("Concurrent sequences (batch)", 1, 4096, query_value("batch", 8), key="batch")
-    gpu = st.selectbox("GPU", gpus, index=index_of(gpus, wanted_gpu), key="gpu")
-    weight_bits = st.select_slider("Weight bits", [4, 8, 16], value=query_value("wbits", 16) if query_value(
-        "wbits", 16) in (4, 8, 16) else 16, key="wbits")
-    utilization = st.slider("Usable share of GPU memory", 0.5, 1.0, query_value("util", 0.9), 0.05, key="util",
-                            help="The rest holds activations and the runtime (vLLM's default is 0.9).")
+    context = choice_setting("Context (tokens)", "context", contexts, 8192 if 8192 in contexts else contexts[-1],
+                             key="context", widget=st.select_slider, cast=int,
+                             help=f"Up to the {catalog.context(name):,} tokens {name} publishes. "
+                             + catalog.models[name].get("context_note", ""))
+    batch = number_setting("Concurrent sequences (batch)", "batch", 8, 1, 4096, key="batch")
+    gpu = choice_setting("GPU", "gpu", gpus, "NVIDIA A100 (80 GB)", key="gpu")
+    weight_bits = choice_setting("Weight bits", "wbits", [4, 8, 16], 16, key="wbits", widget=st.select_slider,
+                                 cast=int)
+    utilization = number_setting("Usable share of GPU memory", "util", 0.9, 0.5, 1.0, key="util", slider=True,
+                                 step=0.05, help="The rest holds activations and the runtime (vLLM's default is 0.9).")
 
     st.markdown("**Eviction**")
-    budget_kind = st.radio("Budget", ["keep all", "tokens", "ratio"], horizontal=True,
-                           index=index_of(["keep all", "tokens", "ratio"], query_value("evict", "keep all", str)),
-                           key="evict")
+    budget_kind = choice_setting("Budget", "evict", ["keep all", "tokens", "ratio"], "keep all", key="evict",
+                                 widget=st.radio, horizontal=True)
     budget = None
     if budget_kind == "tokens":
-        budget = float(st.number_input("Tokens kept per sequence", 1, 1 << 20, query_value("budget", 1024),
-                                       key="budget_tokens"))
+        budget = float(number_setting("Tokens kept per sequence", "budget", 1024, 1, 1 << 20, key="budget_tokens"))
     elif budget_kind == "ratio":
-        budget = st.slider("Share of the context kept", 0.01, 0.99, query_value("ratio", 0.2), 0.01, key="ratio")
+        budget = number_setting("Share of the context kept", "ratio", 0.2, 0.01, 0.99, key="ratio", slider=True,
+                                step=0.01)
 
     st.markdown("**Quantization**")
     quantizers = methods_of("quantization")
@@ -58,14 +57,12 @@ with left:
                       key="qsource")
     group, residual = 0, 0
     if source == "generic":
-        bits = query_value("kvbits", 16)
-        bits = st.select_slider("KV bits per element", [1, 2, 3, 4, 8, 16], value=bits if bits in (
-            1, 2, 3, 4, 8, 16) else 16, key="kvbits")
+        bits = choice_setting("KV bits per element", "kvbits", [1, 2, 3, 4, 8, 16], 16, key="kvbits",
+                              widget=st.select_slider, cast=int)
         if bits < 16:
-            group = st.number_input("Group size (elements per scale + zero point)", 8, 1024,
-                                    query_value("group", 32), key="group")
-            residual = st.number_input("Recent tokens kept at 16 bits (residual)", 0, 1 << 16,
-                                       query_value("residual", 0), key="residual")
+            group = number_setting("Group size (elements per scale + zero point)", "group", 32, 8, 1024, key="group")
+            residual = number_setting("Recent tokens kept at 16 bits (residual)", "residual", 0, 0, 1 << 16,
+                                      key="residual")
     else:
         spec = st.text_input("Quantization SPEC", quantizers[0], key="qspec",
                              help=f"One of: {', '.join(quantizers)}, with parameters, e.g. kivi:bits=2")

@@ -16,7 +16,7 @@ from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import encode, method_output, token_texts
 from kvviz_app.queue import run_request
-from kvviz_app.url import query_value, share_settings
+from kvviz_app.url import linked, read_number, share_settings
 
 STEPS: list[tuple[str, Callable[[], None]]] = []
 
@@ -308,13 +308,13 @@ shows what converting a model after the fact costs. The prompt hides a pass key 
 
 page_header("Lessons", f"Lessons: KV caches in {len(STEPS)} steps",
             "A walkthrough for a class. Read a step, press its button, and the real model runs on this server; "
-            "numbers and outputs are measured, not pre-recorded.")
+            "numbers and outputs are measured, not pre-recorded.", link_settings=("step",))
 
 loaded = require_model()
 card = model_card(loaded)
 titles = [title for title, _ in STEPS]
-wanted = query_value("step", 1)
-chosen = st.radio("Step", titles, index=min(len(titles), max(1, wanted)) - 1, horizontal=True, key="step")
+chosen = linked("step", read_number("step", 1, 1, len(titles)), lambda number: st.radio(
+    "Step", titles, index=number - 1, horizontal=True, key="step"))
 number = titles.index(chosen) + 1
 share_settings(step=number)
 STEPS[number - 1][1]()

@@ -12,8 +12,8 @@ from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import token_texts
 from kvviz_app.queue import run_request
-from kvviz_app.url import index_of, query_choices, query_value, share_settings
-from kvviz_app.widgets import method_configurator
+from kvviz_app.url import choice_setting, choices_setting, plural, share_settings
+from kvviz_app.widgets import method_grid
 
 LENGTHS = [192, 256, 384, 512, 1024, 2048]  # multikey and multivalue need more than 128 tokens
 DEPTHS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9]
@@ -22,52 +22,43 @@ MAX_CONFIGS = 4
 page_header("Tail risk", "Tail risk: what the single needle does not show",
             "A method can find one pass key and still lose a distractor-laden key, one of several values, one hop of "
             "a chain or an instruction of the system prompt. Items are kept only where the full cache gets them "
-            "right, so every failure below is the method's; the eviction ledger names the planted tokens it lost.")
+            "right, so every failure below is the method's; the eviction ledger names the planted tokens it lost.",
+            link_settings=("m", "task", "len", "depth", "hops", "mode", "protect"))
 
 loaded = require_model()
 
 with st.sidebar:
     st.subheader("Tasks")
-    tasks = st.multiselect("Task families", list(TASKS), query_choices("task", list(TASKS), list(TASKS), str),
-                           key="tail_tasks")
-    lengths = st.multiselect("Prompt lengths (tokens)", LENGTHS, query_choices("len", [256], LENGTHS, int),
-                             key="tail_lengths")
-    depths = st.multiselect("Depth of the first planted statement", DEPTHS,
-                            query_choices("depth", [0.25], DEPTHS, float), format_func=lambda d: f"{d:.0%}",
-                            key="tail_depths")
-    hop_options = list(range(1, MAX_HOPS + 1))
-    hops = st.multiselect("vartrack hops (k)", hop_options, query_choices("hops", [1, 2], hop_options, int),
-                          key="tail_hops", help="A chain of k assignments; k=1 is a single needle.")
-    mode_default = query_value("mode", "query_aware", str)
-    mode = st.radio("Mode", list(MODES), index=index_of(MODES, mode_default),
-                    key="tail_mode", help="query_aware compresses the prompt with the question in it; query_agnostic "
-                                          "compresses the context alone and asks afterwards.")
-    protect = st.multiselect("Also run each eviction method protecting", list(PROTECT),
-                             query_choices("protect", ["system"], list(PROTECT), str), key="tail_protect",
-                             help="system: the system turn (the instructions); planted: every planted statement "
-                                  "(an oracle). Protected tokens are kept on top of the method's budget.")
-    count = st.number_input("Methods", 1, MAX_CONFIGS, min(MAX_CONFIGS, len(st.query_params.get_all("m")) or 2),
-                            key="tail_configs")
+    tasks = choices_setting("Task families", "task", list(TASKS), list(TASKS), key="tail_tasks")
+    lengths = choices_setting("Prompt lengths (tokens)", "len", LENGTHS, [256], key="tail_lengths", cast=int)
+    depths = choices_setting("Depth of the first planted statement", "depth", DEPTHS, [0.25], key="tail_depths",
+                             cast=float, format_func=lambda d: f"{d:.0%}")
+    hops = choices_setting("vartrack hops (k)", "hops", list(range(1, MAX_HOPS + 1)), [1, 2], key="tail_hops",
+                           cast=int, help="A chain of k assignments; k=1 is a single needle.")
+    mode = choice_setting("Mode", "mode", MODES, MODES[0], key="tail_mode", widget=st.radio,
+                          help="query_aware compresses the prompt with the question in it; query_agnostic "
+                               "compresses the context alone and asks afterwards.")
+    protect = choices_setting("Also run each eviction method protecting", "protect", list(PROTECT), ["system"],
+                              key="tail_protect", help="system: the system turn (the instructions); planted: every "
+                              "planted statement (an oracle). Protected tokens are kept on top of the method's budget.")
 
-url_specs = st.query_params.get_all("m") or [s for s in (budget_spec("streaming_llm", 64),
-                                                         budget_spec("snapkv", 64)) if s]
 st.caption("`full` always runs first: it decides which items count.")
-specs = []
-columns = st.columns(MAX_CONFIGS)
-for index in range(int(count)):
-    with columns[index].container(border=True):
-        specs.append(method_configurator(index, url_specs[index] if index < len(url_specs) else "full",
-                                         prefix="tail"))
-valid = list(dict.fromkeys(s for s in specs if s is not None))
-share_settings(m=valid, task=tasks, len=sorted(lengths), depth=sorted(depths), hops=sorted(hops), mode=mode,
+grid = method_grid("tail", [s for s in (budget_spec("streaming_llm", 64), budget_spec("snapkv", 64)) if s],
+                   MAX_CONFIGS, per_row=MAX_CONFIGS, noun="method")
+valid = grid.valid
+share_settings(m=grid.shared, task=tasks, len=sorted(lengths), depth=sorted(depths), hops=sorted(hops), mode=mode,
                protect=protect)
 items = sum((len(hops) if t == "vartrack" else 1) * (1 if t == "instructions" else len(depths)) for t in tasks)
 items *= len(lengths)
 runs = 1 + len(valid) + len(protect) * sum(s != "full" for s in valid)
-st.caption(f"{items} prompts × up to {runs} runs each; on a CPU each run takes a few seconds, longer prompts more.")
-ready = bool(tasks and lengths and depths and valid) and None not in specs and ("vartrack" not in tasks or hops)
-if not ready:
+st.caption(f"{plural(items, 'prompt')} × up to {plural(runs, 'run')} each; on a CPU each run takes a few seconds, "
+           "longer prompts more.")
+chosen = bool(tasks and lengths and depths) and ("vartrack" not in tasks or hops)
+if not chosen:
     st.warning("Choose at least one task, length and depth (and a hop count for vartrack).")
+if grid.blocked():
+    st.warning(grid.blocked())
+ready = chosen and grid.ready
 if st.button("Run the tasks", type="primary", disabled=not ready):
     st.session_state["tail_request"] = TailRequest(tuple(valid), tuple(tasks), tuple(sorted(lengths)),
                                                    tuple(sorted(depths)), tuple(sorted(hops)), mode, tuple(protect))
@@ -84,7 +75,7 @@ except ValueError as error:
 
 calibration = pd.DataFrame(report.calibration)
 beyond = calibration[calibration["kept"] == 0]["task"].tolist()
-st.success(f"{len(report.cells)} calibrated runs in {report.seconds:.1f} s. Kept (full right / generated): "
+st.success(f"{plural(len(report.cells), 'calibrated run')} in {report.seconds:.1f} s. Kept (full right / generated): "
            + ", ".join(f"{r.task} {r.kept}/{r.generated}" for r in calibration.itertuples()))
 if beyond:
     st.warning(f"Beyond {loaded.name} at these settings (the full cache never got them right, so they are not "
@@ -103,7 +94,7 @@ if failures.empty:
     st.caption("Every method got every kept item right.")
     st.stop()
 causes = failures["cause"].value_counts().to_dict()
-st.caption(f"{len(failures)} failed runs: " + ", ".join(f"{n} {cause}" for cause, n in causes.items())
+st.caption(f"{plural(len(failures), 'failed run')}: " + ", ".join(f"{n} {cause}" for cause, n in causes.items())
            + ". evicted: a planted statement the answer needed left the cache in some layer; not evicted: the "
              "planted tokens all stayed, the method lost other context; quantization: nothing was evicted.")
 choices = {f"{row.method} · {row.item_id}": index for index, row in failures.iterrows()}
@@ -126,7 +117,7 @@ st.dataframe(failures[["method", "task_label", "length", "depth", "answer", "cau
              width="stretch")
 
 left, right = st.columns(2)
-left.download_button("Runs as CSV", frame.drop(columns=["spans", "evicted_share"]).to_csv(index=False),
-                     "kvviz-tail.csv", "text/csv")
-right.download_button("Report as JSON", json.dumps(report.to_json(), indent=1, default=str), "kvviz-tail.json",
-                      "application/json")
+left.download_button("Runs as CSV", lambda: frame.drop(columns=["spans", "evicted_share"]).to_csv(index=False),
+                     "kvviz-tail.csv", "text/csv", on_click="ignore")
+right.download_button("Report as JSON", lambda: json.dumps(report.to_json(), indent=1, default=str), "kvviz-tail.json",
+                      "application/json", on_click="ignore")

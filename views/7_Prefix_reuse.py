@@ -1,5 +1,6 @@
 """Prefix reuse: turns sharing a byte-stable preamble reuse its KV blocks; edits and query-aware eviction break it."""
 
+from dataclasses import dataclass
 
 import pandas as pd
 import streamlit as st
@@ -17,41 +18,59 @@ from kvviz.studies.prefix_sharing import DEFAULT_METHODS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.queue import run_request
-from kvviz_app.url import index_of, query_value, share_settings
+from kvviz_app.url import Read, choice_setting, choices_setting, linked, number_setting, share_settings
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
+DEFAULT_LENGTHS = [256, 512, 1024, 2048]
 EDITS = {"timestamp": "insert a timestamp line", "reorder": "swap two lines"}
+
+
+@dataclass(frozen=True)
+class PrefixRun:
+    """What the page ran when its button was last pressed (the results below show this run, not later edits)."""
+
+    preamble: str
+    questions: tuple[str, ...]
+    block_tokens: int
+    edit: str
+    edit_line: int
+    max_new: int
+    specs: tuple[str, ...]
+    lengths: tuple[int, ...]
+
 
 page_header("Prefix reuse", "Prefix reuse",
             "Serving engines with prefix caching (vLLM's block hashes, SGLang's radix tree) keep a prompt's KV in "
             "blocks keyed by a hash of the block's tokens and everything before it. A new prompt that starts with "
-            "the same bytes reuses those blocks and prefills only the rest. kvviz does the same here, live.")
+            "the same bytes reuses those blocks and prefills only the rest. kvviz does the same here, live.",
+            link_settings=("block", "edit", "line", "n", "len", "m"))
 
 loaded = require_model()
 
 with st.sidebar:
     st.subheader("Prefix cache")
-    block_tokens = st.number_input("Tokens per block", 4, 64, query_value("block", 16), key="prefix_block")
+    block_tokens = number_setting("Tokens per block", "block", 16, 4, 64, key="prefix_block")
     st.subheader("Byte stability")
-    edit = st.radio("Edit to the preamble", list(EDITS), format_func=EDITS.get, key="prefix_edit",
-                    index=index_of(list(EDITS), query_value("edit", "timestamp", str)))
-    edit_line = st.number_input("After line", 0, 200, query_value("line", 1), key="prefix_line",
-                                help="0 is the first line of the preamble; later lines keep more blocks.")
+    edit = choice_setting("Edit to the preamble", "edit", list(EDITS), "timestamp", key="prefix_edit",
+                          widget=st.radio, format_func=EDITS.get)
+    edit_line = number_setting("After line", "line", 1, 0, 200, key="prefix_line",
+                               help="0 is the first line of the preamble; later lines keep more blocks.")
     st.subheader("Eviction vs reuse")
-    max_new = st.number_input("Answer tokens compared", 2, 32, query_value("n", 8), key="prefix_n")
+    max_new = number_setting("Answer tokens compared", "n", 8, 2, 32, key="prefix_n")
+    spec_text = linked("prefix_methods", Read("\n".join(st.query_params.get_all("m") or DEFAULT_METHODS)),
+                       lambda text: st.text_area("Eviction methods (one SPEC per line)", text, key="prefix_methods"))
+    specs = [line.strip() for line in spec_text.splitlines() if line.strip()]
+    spec_errors = []
+    for spec in specs:
+        try:
+            if parse_spec(spec).eviction is None:
+                raise SpecError(f"'{spec}' does not evict (quantization alone keeps every token)")
+        except SpecError as error:
+            spec_errors.append(str(error))
+            st.error(str(error))
     st.subheader("Context as a cost")
-    url_lengths = [int(v) for v in st.query_params.get_all("len") if v.isdigit() and int(v) in LENGTHS]
-    lengths = st.multiselect("Prompt lengths (tokens)", LENGTHS, url_lengths or [256, 512, 1024, 2048],
-                             key="prefix_lengths")
-spec_text = st.sidebar.text_area("Eviction methods (one SPEC per line)",
-                                 "\n".join(st.query_params.get_all("m") or DEFAULT_METHODS), key="prefix_methods")
-specs = [line.strip() for line in spec_text.splitlines() if line.strip()]
-try:
-    if any(parse_spec(spec).eviction is None for spec in specs):
-        raise SpecError("each method must evict (quantization alone keeps every token)")
-except SpecError as error:
-    st.sidebar.error(str(error))
-    specs = []
+    lengths = choices_setting("Prompt lengths (tokens)", "len", LENGTHS, DEFAULT_LENGTHS, key="prefix_lengths",
+                              cast=int)
 share_settings(block=int(block_tokens), edit=edit, line=int(edit_line), n=int(max_new), len=sorted(lengths), m=specs)
 
 preamble = st.text_area("Shared preamble (system prompt and few-shot examples)", default_preamble(), height=220,
@@ -61,9 +80,24 @@ question_text = st.text_area("Questions, one per turn (one per line; the first t
 questions = [q.strip() for q in question_text.splitlines() if q.strip()]
 if not preamble.strip() or not questions:
     st.warning("Enter a preamble and at least one question.")
+else:
+    with st.expander("How a question is appended"):
+        st.code(question_turn(preamble, questions[0]), language=None)
+if spec_errors:
+    st.warning("An eviction method in the sidebar is invalid (the error is under it): nothing runs until it is fixed.")
+chosen = PrefixRun(preamble, tuple(questions), int(block_tokens), edit, int(edit_line), int(max_new), tuple(specs),
+                   tuple(sorted(lengths)))
+if st.button("Run prefix reuse", type="primary", disabled=not (preamble.strip() and questions) or bool(spec_errors)):
+    st.session_state["prefix_request"] = chosen
+run = st.session_state.get("prefix_request")
+if run is None:
+    st.info("Set up the preamble, questions and methods, then press **Run prefix reuse**.")
     st.stop()
-with st.expander("How a question is appended"):
-    st.code(question_turn(preamble, questions[0]), language=None)
+if run != chosen:
+    st.caption("Showing the last run; the settings above have changed since. Press **Run prefix reuse** again.")
+preamble, questions, block_tokens, edit, edit_line = run.preamble, list(run.questions), run.block_tokens, run.edit, \
+    run.edit_line
+max_new, specs, lengths = run.max_new, list(run.specs), list(run.lengths)
 
 pieces = [turn_ids(loaded.tokenizer, preamble, q) for q in questions]
 preamble_ids = pieces[0][0]
@@ -71,9 +105,8 @@ edited_ids = turn_ids(loaded.tokenizer, edit_preamble(preamble, edit, int(edit_l
 prompts = [preamble_ids + q for _, q in pieces] + [edited_ids[0] + edited_ids[1]]
 labels = [f"turn {i + 1}: {q[:32]}" for i, q in enumerate(questions)] + [f"edited preamble, turn {len(questions)}"]
 
-
 report = run_request(loaded, PrefixTurnsRequest(tuple(map(tuple, prompts)), tuple(labels), int(block_tokens)),
-                     "Prefilling each turn fresh and with reuse…")
+                     "Prefilling each turn fresh and with reuse…", request_key="prefix_request")
 turns = report.turns
 shared, edited = turns[:-1], turns[-1]
 
@@ -129,7 +162,7 @@ else:
                "cache can share the compressed preamble only if both questions keep the same tokens.")
     sharing = run_request(loaded, PrefixSharingRequest(tuple(preamble_ids), tuple(pieces[0][1]), tuple(pieces[1][1]),
                                                        tuple(specs), int(max_new)),
-                          "Compressing the preamble for two questions…")
+                          "Compressing the preamble for two questions…", request_key="prefix_request")
     st.plotly_chart(plots.jaccard_figure([(f"{r.method} ({r.mode.replace('_', '-')})", r.jaccard_per_layer)
                                           for r in sharing.rows]), width="stretch")
     table = pd.DataFrame(sharing.to_rows()).rename(columns={
@@ -143,7 +176,7 @@ else:
 st.subheader("Context length as a cost")
 if lengths:
     costs = run_request(loaded, ContextCostRequest(tuple(prompts[0]), tuple(sorted(lengths))),
-                        "Prefilling each length…")
+                        "Prefilling each length…", request_key="prefix_request")
     st.plotly_chart(plots.context_cost_figure([c.tokens for c in costs], [c.prefill_seconds for c in costs],
                                               [c.kv_bytes for c in costs]), width="stretch")
     st.caption(f"Measured on {loaded.name} ({loaded.device}): each prompt is the preamble and first question, "

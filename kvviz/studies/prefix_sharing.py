@@ -27,10 +27,10 @@ from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefix import prefill_with_prefix, prefix_cache_for
 from kvviz.runtime.replay import Progress, decode, eos_token_ids
+from kvviz.studies.needle import MODES
 
 DEFAULT_METHODS = ("snapkv:budget=256,window=48", "streaming_llm:sinks=4,window=252,rerotate=0",
                    "kvpress:press=knorm,ratio=0.75")
-MODES = ("query_aware", "query_agnostic")
 
 
 @dataclass
