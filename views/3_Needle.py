@@ -5,8 +5,8 @@ import json
 import streamlit as st
 
 from kvviz.methods import budget_spec
-from kvviz.studies.needle import MODES
 from kvviz.runs import NeedleRequest
+from kvviz.studies.needle import MODES
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.queue import run_request
