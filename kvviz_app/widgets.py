@@ -100,9 +100,11 @@ def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> s
     from_widgets = None if chosen is None else "+".join(chosen) or "full"
     keep_as_given = first and (linked_stack is None or from_widgets is None
                                or parse_spec(from_widgets).label != linked_stack.label)
-    typed = st.text_input("…or type a SPEC", initial_spec if keep_as_given else "", key=spec_key,
-                          placeholder="snapkv:budget=64+kivi:bits=2",
-                          help="name[:key=value,...][+name[:key=value,...]]; overrides the widgets above")
+    empty = None if initial_spec.strip() else (f"The link's {shown(SPEC_KEY, initial_spec)} is empty; this "
+                                               f"configuration starts from {from_widgets or 'the choices above'}.")
+    typed = linked(spec_key, Read(initial_spec if keep_as_given else "", empty), lambda value: st.text_input(
+        "…or type a SPEC", value, key=spec_key, placeholder="snapkv:budget=64+kivi:bits=2",
+        help="name[:key=value,...][+name[:key=value,...]]; overrides the widgets above"))
     spec = typed.strip() or from_widgets
     if spec is None:
         return None
@@ -110,7 +112,7 @@ def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> s
         return parse_spec(spec).label
     except SpecError as error:
         st.error(str(error))
-        if typed == initial_spec:
+        if typed == initial_spec:  # an empty one never gets here: the widgets' SPEC runs instead
             st.caption("This SPEC came with the link. Fix it here, or clear the box to use the choices above.")
         return None
 

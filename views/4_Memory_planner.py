@@ -73,8 +73,9 @@ with left:
             st.error(str(error) or "this method does not report its bits per element")
             bits = 16
 share_settings(model_config=name, context=context, batch=int(batch), gpu=gpu, wbits=weight_bits, util=utilization,
-               evict=budget_kind, kvbits=bits if source == "generic" else 16, group=int(group) or 32,
-               residual=int(residual), **({"budget": int(budget)} if budget_kind == "tokens" else {}),
+               evict=budget_kind, kvbits=bits if source == "generic" else 16,
+               **({"group": int(group), "residual": int(residual)} if group else {}),
+               **({"budget": int(budget)} if budget_kind == "tokens" else {}),
                **({"ratio": budget} if budget_kind == "ratio" else {}))
 
 plan = Plan(context=int(context), batch=int(batch), budget=budget, kv_bits=float(bits), group_size=int(group),

@@ -18,7 +18,7 @@ from kvviz.studies.prefix_sharing import DEFAULT_METHODS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.queue import run_request
-from kvviz_app.url import Read, choice_setting, choices_setting, linked, number_setting, share_settings
+from kvviz_app.url import Read, choice_setting, choices_setting, linked, number_setting, share_settings, shown
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 DEFAULT_LENGTHS = [256, 512, 1024, 2048]
@@ -57,7 +57,12 @@ with st.sidebar:
                                help="0 is the first line of the preamble; later lines keep more blocks.")
     st.subheader("Eviction vs reuse")
     max_new = number_setting("Answer tokens compared", "n", 8, 2, 32, key="prefix_n")
-    spec_text = linked("prefix_methods", Read("\n".join(st.query_params.get_all("m") or DEFAULT_METHODS)),
+    from_link = st.query_params.get_all("m")
+    linked_specs = [spec for spec in from_link if spec.strip()]
+    empty = None if len(linked_specs) == len(from_link) else (
+        f"The link's {shown('m', '')} is empty; "
+        + ("it is left out." if linked_specs else "using the default methods."))
+    spec_text = linked("prefix_methods", Read("\n".join(linked_specs or DEFAULT_METHODS), empty),
                        lambda text: st.text_area("Eviction methods (one SPEC per line)", text, key="prefix_methods"))
     specs = [line.strip() for line in spec_text.splitlines() if line.strip()]
     spec_errors = []
