@@ -51,7 +51,7 @@ def test_compare_page_runs_methods_and_reports(monkeypatch):
     specs = ["full", "streaming_llm:sinks=2,window=16", "kivi:residual=0"]
     app = page("2_Compare.py", m=specs, n="4")
     assert not app.exception and not app.error
-    assert app.number_input(key="configs").value == 3
+    assert app.number_input(key="cfg_count").value == 3
     assert app.selectbox(key="cfg1_eviction").value == "streaming_llm"
     assert app.selectbox(key="cfg2_quantization").value == "kivi"
     app.text_area(key="compare_text").set_value("Name three colours of the rainbow, then count to five.").run()

@@ -284,3 +284,35 @@ def test_lesson_steps_show_a_correct_reference(server):
                 shoot(page, f"lessons-step{step}")
         finally:
             browser.close()
+
+
+def test_bad_links_say_what_they_changed_and_run_nothing(server):
+    """The issue's links, as a new user would paste them: a notice or the SPEC's error for each, no exception."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = _browser(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{server}/Compare?n=-3&m=nope&m=full&m=%3Cimg%20src%3Dx%3E&ctx=1", timeout=120_000)
+            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
+            settle(page)
+            no_exception(page)
+            body = page.inner_text("body")
+            assert "n=-3 is below 1, the least allowed; using 1." in body
+            assert "unknown method 'nope'; valid:" in body and "unknown method '<img src=x>'" in body
+            assert "This page has no setting ctx=1" in body
+            assert page.locator("img[src=x]").count() == 0, "markup from a link is shown, never rendered"
+            assert page.get_by_role("button", name="Run comparison").is_disabled()
+            shoot(page, "compare-bad-link")
+            for link, said in (("Attention?layer=999&head=-1", "layer=999 is over 29"),
+                               ("Needle?len=abc&len=999999", "len=abc, len=999999 are not among"),
+                               ("Tail_risk?task=nope", "task=nope is not among"),
+                               ("Memory_planner?model=nope&ctx=-1", "model=nope is neither"),
+                               ("?model=%2Fetc", "model=/etc is neither")):
+                page.goto(f"{server}/{link}", timeout=120_000)
+                page.get_by_text(said).first.wait_for(timeout=180_000)
+                settle(page)
+                no_exception(page)
+        finally:
+            browser.close()

@@ -190,6 +190,11 @@ def test_prefix_page_figures_equal_the_engines(monkeypatch, tmp_path, real_model
     app.query_params["m"] = [spec]
     app.query_params["n"] = "3"
     app.run()
+    assert not app.exception and not app.get("plotly_chart"), "nothing runs before the button is pressed"
+    next(b for b in app.button if b.label == "Run prefix reuse").click().run()
+    assert len(app.get("plotly_chart")) == 3, "the turns and byte stability; the later sections wait for their buttons"
+    for label in ("Compress the preamble for A and B (2 runs)", "Prefill 1 length"):
+        next(b for b in app.button if b.label == label).click().run()
     assert not app.exception and not app.error, [e.value for e in app.error]
     assert len(app.get("plotly_chart")) == 5  # block table, TTFT, stability table, Jaccard, context cost
 

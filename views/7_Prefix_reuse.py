@@ -18,11 +18,28 @@ from kvviz.studies.prefix_sharing import DEFAULT_METHODS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.queue import run_request
-from kvviz_app.url import Read, choice_setting, choices_setting, linked, number_setting, share_settings, shown
+from kvviz_app.url import (
+    Read,
+    choice_setting,
+    choices_setting,
+    linked,
+    number_setting,
+    plural,
+    share_settings,
+    shown,
+)
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 DEFAULT_LENGTHS = [256, 512, 1024, 2048]
 EDITS = {"timestamp": "insert a timestamp line", "reorder": "swap two lines"}
+
+
+def section_run(label: str, key: str) -> bool:
+    """A later section's own button (its runs cost more than the turns above): once pressed it stays on, following
+    the page's run."""
+    if st.button(label, type="primary", key=key):
+        st.session_state[f"{key}_on"] = True
+    return bool(st.session_state.get(f"{key}_on"))
 
 
 @dataclass(frozen=True)
@@ -100,9 +117,8 @@ if run is None:
     st.stop()
 if run != chosen:
     st.caption("Showing the last run; the settings above have changed since. Press **Run prefix reuse** again.")
-preamble, questions, block_tokens, edit, edit_line = run.preamble, list(run.questions), run.block_tokens, run.edit, \
-    run.edit_line
-max_new, specs, lengths = run.max_new, list(run.specs), list(run.lengths)
+preamble, questions, block_tokens = run.preamble, list(run.questions), run.block_tokens
+edit, edit_line, max_new, specs, lengths = run.edit, run.edit_line, run.max_new, list(run.specs), list(run.lengths)
 
 pieces = [turn_ids(loaded.tokenizer, preamble, q) for q in questions]
 preamble_ids = pieces[0][0]
@@ -160,7 +176,7 @@ st.caption("Keep anything that changes per request (dates, user names, retrieved
 st.subheader("Query-aware eviction vs reuse")
 if len(pieces) < 2 or not specs:
     st.info("Add a second question and at least one eviction method to compare what eviction keeps for each.")
-else:
+elif section_run(f"Compress the preamble for A and B ({plural(len(specs) * 2, 'run')})", "prefix_sharing_button"):
     st.caption("The preamble is compressed for question A and for question B. Query-aware: the method sees the "
                "question (SnapKV votes with the question in its observation window). Query-agnostic: the preamble "
                "is compressed alone and the question fed afterwards (kvpress's query-agnostic setting). A prefix "
@@ -179,7 +195,7 @@ else:
                "of steps whose top token matches full's, KL is KL(full ‖ method) per step in nats.")
 
 st.subheader("Context length as a cost")
-if lengths:
+if lengths and section_run(f"Prefill {plural(len(lengths), 'length')}", "prefix_cost_button"):
     costs = run_request(loaded, ContextCostRequest(tuple(prompts[0]), tuple(sorted(lengths))),
                         "Prefilling each length…", request_key="prefix_request")
     st.plotly_chart(plots.context_cost_figure([c.tokens for c in costs], [c.prefill_seconds for c in costs],
