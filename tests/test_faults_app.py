@@ -39,7 +39,7 @@ def test_too_long_prompt_offers_truncation_then_runs(monkeypatch):
     assert any("from the middle of the document" in i.value for i in app.info)
     app.button[0].click().run()
     assert not app.exception
-    tokens = [int(s.value.split(" on ")[1].split()[0]) for s in app.success if s.value.startswith("1 configurations")]
+    tokens = [int(s.value.split(" on ")[1].split()[0]) for s in app.success if s.value.startswith("1 configuration on")]
     assert tokens and tokens[0] <= 80
 
 

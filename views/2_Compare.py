@@ -74,7 +74,7 @@ if request != (tuple(ids or ()), tuple(valid), int(max_new)):
 
 comparison = run_comparison(loaded, list(request[0]), list(request[1]), request[2], "compare_request")
 results = comparison.results
-st.success(f"{plural(len(results), 'configuration')} on {plural(comparison.prompt_tokens, 'prompt token')} "
+st.success(f"{plural(len(results), 'configuration')} on {comparison.prompt_tokens} prompt tokens "
            f"(prefill {comparison.prefill_seconds:.2f} s on {comparison.device}).")
 
 st.subheader("Outputs")

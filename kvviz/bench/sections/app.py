@@ -39,7 +39,7 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     settle(page, timeout)
     started = time.perf_counter()
     page.get_by_role("button", name="Run comparison").click()
-    page.get_by_text(f"configurations on {prompt_tokens} prompt tokens").wait_for(timeout=timeout * 1000)
+    page.get_by_text(f" on {prompt_tokens} prompt tokens").wait_for(timeout=timeout * 1000)
     seconds = time.perf_counter() - started
     settle(page, timeout)
     return seconds
