@@ -146,9 +146,9 @@ class MethodGrid:
         numbers = " and ".join(", ".join(map(str, self.invalid)).rsplit(", ", 1))
         if len(self.invalid) == 1:
             return (f"{self.noun.capitalize()} {numbers} has an invalid SPEC (the error is under it): nothing runs "
-                    f"until it is fixed or the number of {self.noun}s is lowered.")
+                    "until it is fixed, or its SPEC box cleared.")
         return (f"{self.noun.capitalize()}s {numbers} have invalid SPECs (the errors are under them): nothing runs "
-                f"until they are fixed or the number of {self.noun}s is lowered.")
+                "until each is fixed, or its SPEC box cleared.")
 
 
 def method_grid(prefix: str, defaults: Sequence[str], most: int, per_row: int,

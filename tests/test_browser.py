@@ -292,7 +292,7 @@ def test_bad_links_say_what_they_changed_and_run_nothing(server):
 
     with sync_playwright() as playwright:
         browser = _browser(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page = browser.new_page(viewport={"width": 1400, "height": 2000})  # the configurations' errors in view
         try:
             page.goto(f"{server}/Compare?n=-3&m=nope&m=full&m=%3Cimg%20src%3Dx%3E&ctx=1", timeout=120_000)
             page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
@@ -304,7 +304,7 @@ def test_bad_links_say_what_they_changed_and_run_nothing(server):
             assert "This page has no setting ctx=1" in body
             assert page.locator("img[src=x]").count() == 0, "markup from a link is shown, never rendered"
             assert page.get_by_role("button", name="Run comparison").is_disabled()
-            shoot(page, "compare-bad-link", anchor="Configurations")
+            shoot(page, "compare-bad-link")
             for link, said in (("Attention?layer=999&head=-1", "layer=999 is over 29"),
                                ("Needle?len=abc&len=999999", "len=abc, len=999999 are not among"),
                                ("Tail_risk?task=nope", "task=nope is not among"),
