@@ -204,7 +204,8 @@ def unknown_settings(known: Iterable[str]) -> None:
     unknown = [name for name in st.query_params if name not in known]
     if unknown:
         names = ", ".join(shown(name, st.query_params.get(name, "")) for name in unknown)
-        st.warning(f"This page has no setting {names}; {'it is' if len(unknown) == 1 else 'they are'} ignored. "
+        one = len(unknown) == 1
+        st.warning(f"This page has no setting{'' if one else 's'} {names}; {'it is' if one else 'they are'} ignored. "
                    f"Its settings: {', '.join(sorted(known))}.", icon=ICON)
 
 
