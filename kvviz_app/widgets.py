@@ -83,6 +83,14 @@ def _widget_specs(index: int, initial: dict[str, object], prefix: str) -> list[s
     return chosen
 
 
+def _label(spec: str | None) -> str | None:
+    """A SPEC's canonical label, or None when there is none or it does not parse."""
+    try:
+        return None if spec is None else parse_spec(spec).label
+    except SpecError:
+        return None
+
+
 def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> str | None:
     """Architecture x eviction x quantization widgets for configuration ``index``, started from ``initial_spec`` (a
     SPEC from the link); its SPEC, or None while it is invalid (the error shown).
@@ -98,8 +106,7 @@ def method_configurator(index: int, initial_spec: str, prefix: str = "cfg") -> s
         linked_stack = None
     chosen = _widget_specs(index, {} if linked_stack is None else _initial_values(linked_stack), prefix)
     from_widgets = None if chosen is None else "+".join(chosen) or "full"
-    keep_as_given = first and (linked_stack is None or from_widgets is None
-                               or parse_spec(from_widgets).label != linked_stack.label)
+    keep_as_given = first and (linked_stack is None or _label(from_widgets) != linked_stack.label)
     empty = None if initial_spec.strip() else (f"The link's {shown(SPEC_KEY, initial_spec)} is empty; this "
                                                f"configuration starts from {from_widgets or 'the choices above'}.")
     typed = linked(spec_key, Read(initial_spec if keep_as_given else "", empty), lambda value: st.text_input(
