@@ -4,6 +4,8 @@ one that imports it back. Drawn from the code's own import statements (lazy and 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,3 +101,10 @@ def test_the_engine_knows_nothing_of_streamlit():
                        and any(n.split(".")[0] == "streamlit" for n in
                                ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])))
     assert offenders == []
+
+
+def test_importing_the_cache_loads_no_method():
+    """The cache is the bottom layer: importing it (in a fresh interpreter) must not pull in any method module."""
+    probe = "import kvviz.cache.kvcache, sys; print(sorted(m for m in sys.modules if m.startswith('kvviz.methods')))"
+    loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]"
