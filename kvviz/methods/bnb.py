@@ -14,9 +14,8 @@ from __future__ import annotations
 import torch
 
 from kvviz.cache.protocol import QuantizationMethod, per_element
+from kvviz.cache.quantized import Encoded, TokenQuantStorage, refuse_rerotation
 from kvviz.cache.spec import MethodStack, Param, SpecError, register
-from kvviz.cache.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
-from kvviz.methods.kivi import refuse_rerotation
 
 BLOCK = 64  # smallest blocksize bitsandbytes' CPU kernels accept above 32 for every type
 
@@ -46,44 +45,23 @@ def _quantize(kind: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
             restored.reshape(*shape, padded)[..., :dim].to(x.dtype))
 
 
-class BnbStorage(KVStorage):
-    """Keys and values each as codes, absmax and the dequantized copy; quantized in one call when their widths match
-    (MLA models cache keys wider than values, and each is padded to its own blocks)."""
-
-    per_entry_bytes = True
+class BnbStorage(TokenQuantStorage):
+    """Keys and values each as codes, one fp32 absmax per token's block (its per-token metadata) and the dequantized
+    copy; quantized in one call when their widths match (MLA models cache keys wider than values, and each is padded
+    to its own blocks)."""
 
     def __init__(self, kind: str):
+        super().__init__()
         self.kind = kind
-        self.codes: list[torch.Tensor] = []  # keys, values: [B, H, T, bytes per row]
-        self.absmax: list[torch.Tensor] = []  # [B, H, T, blocks per row] fp32
-        self.dequant: list[torch.Tensor] = []  # [B, H, T, D]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[Encoded, Encoded]:
         if keys.shape[-1] == values.shape[-1]:  # one quantize call for both
             both = [t.unflatten(0, (2, keys.shape[0])) for t in _quantize(self.kind, torch.cat([keys, values]))]
-            new = [[t[slot] for t in both] for slot in (0, 1)]
+            parts = [[t[slot] for t in both] for slot in (0, 1)]
         else:
-            new = [list(_quantize(self.kind, x)) for x in (keys, values)]
-        if not self.codes:
-            self.codes, self.absmax, self.dequant = (list(parts) for parts in zip(*new, strict=True))
-            return
-        for slot, (codes, absmax, dequant) in enumerate(new):
-            self.codes[slot] = torch.cat([self.codes[slot], codes], 2)
-            self.absmax[slot] = torch.cat([self.absmax[slot], absmax], 2)
-            self.dequant[slot] = torch.cat([self.dequant[slot], dequant], 2)
-
-    def keep(self, index: torch.Tensor) -> None:
-        for tensors in (self.codes, self.absmax, self.dequant):
-            tensors[:] = [gather_tokens(t, index) for t in tensors]
-
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dequant[0], self.dequant[1]
-
-    def __len__(self) -> int:
-        return self.codes[0].shape[2] if self.codes else 0
-
-    def nbytes(self) -> StorageBytes:
-        return StorageBytes(codes=tensor_bytes(*self.codes), metadata=tensor_bytes(*self.absmax))
+            parts = [list(_quantize(self.kind, x)) for x in (keys, values)]
+        (key_codes, key_absmax, key_restored), (value_codes, value_absmax, value_restored) = parts
+        return Encoded(key_codes, key_restored, key_absmax), Encoded(value_codes, value_restored, value_absmax)
 
 
 @register

@@ -18,9 +18,8 @@ from __future__ import annotations
 import torch
 
 from kvviz.cache.protocol import QuantizationMethod, per_element
+from kvviz.cache.quantized import Encoded, TokenQuantStorage, refuse_rerotation
 from kvviz.cache.spec import MethodStack, Param, register
-from kvviz.cache.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
-from kvviz.methods.kivi import refuse_rerotation
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SCALE_BYTES = 4  # fp32 scales, as vLLM and SGLang keep them
@@ -38,50 +37,32 @@ def to_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return (x.float() / scale).clamp(-limit, limit).to(dtype)
 
 
-class Fp8Storage(KVStorage):
-    """One-byte K/V codes [B, H, T, D] with fp32 scales, plus the dequantized copy attention reads."""
-
-    per_entry_bytes = True
+class Fp8Storage(TokenQuantStorage):
+    """One-byte K/V codes [B, H, T, D] with fp32 scales: shared by the tensor or each head (fixed by the first
+    entries stored, the prompt), or one per token."""
 
     def __init__(self, dtype: torch.dtype, granularity: str):
+        super().__init__()
         self.fp8, self.granularity = dtype, granularity
-        self.codes: list[torch.Tensor | None] = [None, None]  # keys, values
-        self.scales: list[torch.Tensor | None] = [None, None]  # [B,1,1,1], [B,H,1,1] or [B,H,T,1]
-        self.dequant: list[torch.Tensor | None] = [None, None]
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    @property
+    def scales(self) -> list[torch.Tensor | None]:
+        """Keys' and values' scales: [B,1,1,1], [B,H,1,1] or [B,H,T,1]."""
+        return self.token_metadata if self.granularity == "token" else self.shared_metadata
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[Encoded, Encoded]:
+        encoded = []
         for slot, x in enumerate((keys, values)):
             if self.granularity == "token":
                 scale = fp8_scale(x, "token") / torch.finfo(self.fp8).max
-                self.scales[slot] = scale if self.scales[slot] is None else torch.cat([self.scales[slot], scale], 2)
-            elif self.scales[slot] is None:  # dynamic scale from the first entries (the prompt), then fixed
-                self.scales[slot] = fp8_scale(x, self.granularity) / torch.finfo(self.fp8).max
-                scale = self.scales[slot]
             else:
-                scale = self.scales[slot]
+                if self.shared_metadata[slot] is None:  # dynamic scale from the first entries (the prompt), then fixed
+                    self.shared_metadata[slot] = fp8_scale(x, self.granularity) / torch.finfo(self.fp8).max
+                scale = self.shared_metadata[slot]
             codes = to_fp8(x, scale, self.fp8)
-            restored = (codes.float() * scale).to(x.dtype)
-            if self.codes[slot] is None:
-                self.codes[slot], self.dequant[slot] = codes, restored
-            else:
-                self.codes[slot] = torch.cat([self.codes[slot], codes], 2)
-                self.dequant[slot] = torch.cat([self.dequant[slot], restored], 2)
-
-    def keep(self, index: torch.Tensor) -> None:
-        for slot in (0, 1):
-            self.codes[slot] = gather_tokens(self.codes[slot].view(torch.uint8), index).view(self.fp8)
-            self.dequant[slot] = gather_tokens(self.dequant[slot], index)
-            if self.granularity == "token":
-                self.scales[slot] = gather_tokens(self.scales[slot], index)
-
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.dequant[0], self.dequant[1]
-
-    def __len__(self) -> int:
-        return 0 if self.codes[0] is None else self.codes[0].shape[2]
-
-    def nbytes(self) -> StorageBytes:
-        return StorageBytes(codes=tensor_bytes(*self.codes), metadata=tensor_bytes(*self.scales))
+            encoded.append(Encoded(codes, (codes.float() * scale).to(x.dtype),
+                                   scale if self.granularity == "token" else None))
+        return encoded[0], encoded[1]
 
 
 @register

@@ -31,7 +31,8 @@ from kvviz.cache.quant import (
     quantize_per_channel,
     quantize_per_token,
 )
-from kvviz.cache.spec import MethodStack, Param, SpecError, register
+from kvviz.cache.quantized import refuse_rerotation
+from kvviz.cache.spec import MethodStack, Param, register
 from kvviz.cache.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
 
 
@@ -187,13 +188,6 @@ class GroupQuantMethod(QuantizationMethod):
 
     def check_stack(self, stack: MethodStack) -> None:
         refuse_rerotation(self, stack)
-
-
-def refuse_rerotation(method: QuantizationMethod, stack: MethodStack) -> None:
-    """Re-rotating keys after every eviction would re-quantize them each time, compounding the error."""
-    if stack.eviction is not None and stack.eviction.rerotate:
-        raise SpecError(f"'{stack.eviction.spec()}' re-rotates cached keys, which {method.name} stores quantized; "
-                        f"use rerotate=0 with {method.name}")
 
 
 BITS = Param("bits", int, 2, "bits per stored code", choices=(2, 4, 8))
