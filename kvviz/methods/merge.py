@@ -21,15 +21,19 @@ from kvviz.methods.snapkv import SnapKV
 WEIGHT_FLOOR = 1e-6  # tokens the window ignored still count a little, so no weighted mean divides by zero
 
 
+def nearest_survivor(keys: torch.Tensor, survivor_keys: torch.Tensor) -> torch.Tensor:
+    """For each key [..., T, D], the index [..., T] of the survivor key [..., n, D] most similar to it (cosine): the
+    rule merging uses to say where an evicted token goes (here, and when reading what a kvpress merging press did)."""
+    return (F.normalize(keys.float(), dim=-1) @ F.normalize(survivor_keys.float(), dim=-1).transpose(-1, -2)).argmax(-1)
+
+
 def merge_into_nearest(keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
                        weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values [B, H, n, D] of the ``kept`` entries [B, H, n] after folding every other entry into its most
     similar kept key (cosine, same head), weighted by ``weights`` [B, H, T]."""
     batch, heads, length, dim = keys.shape
     is_kept = torch.zeros(batch, heads, length, dtype=torch.bool, device=keys.device).scatter_(-1, kept, True)
-    kept_keys = gather_tokens(keys, kept)
-    similarity = F.normalize(keys.float(), dim=-1) @ F.normalize(kept_keys.float(), dim=-1).transpose(-1, -2)
-    target = similarity.argmax(-1)  # [B, H, T]: the kept slot each entry folds into
+    target = nearest_survivor(keys, gather_tokens(keys, kept))  # [B, H, T]: the kept slot each entry folds into
     slot = torch.zeros_like(target).scatter_(-1, kept, torch.arange(kept.shape[-1], device=keys.device).expand_as(kept))
     target = torch.where(is_kept, slot, target)  # kept entries stay in their own slot
     weight = weights.float().clamp_min(WEIGHT_FLOOR).unsqueeze(-1)  # [B, H, T, 1]

@@ -6,7 +6,8 @@ import torch
 
 from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
-from kvviz.methods.merge import merge_into_nearest
+from kvviz.methods.kvpress.fork import _merge_targets
+from kvviz.methods.merge import merge_into_nearest, nearest_survivor
 from tests.methods.test_window import prompt
 
 
@@ -18,6 +19,14 @@ def test_evicted_entries_fold_into_the_most_similar_kept_key_weighted_by_attenti
     assert torch.allclose(merged_values[0, 0, :, 0], torch.tensor([(1 + 3 * 3) / 4, 2.0]), atol=1e-4)  # 3 -> 0
     assert torch.allclose(merged_keys[0, 0, 0], torch.tensor([(1 + 3 * 0.9) / 4, 0.3 / 4]), atol=1e-4)
     assert torch.allclose(merged_keys[0, 0, 1], keys[0, 0, 1], atol=1e-4)  # entry 3 weighs almost nothing
+
+
+def test_an_evicted_token_goes_to_the_survivor_pointing_its_way_not_the_closest_one():
+    """One rule for merge's folds and for reading a kvpress merging press: cosine similarity of keys, not distance."""
+    keys = torch.tensor([[10.0, 0.0], [0.5, 0.6], [1.0, 0.1], [0.1, 1.0]]).view(1, 1, 4, 2)
+    assert nearest_survivor(keys[0, 0, 2:], keys[0, 0, :2]).tolist() == [0, 1]  # (1, 0.1) is nearer (0.5, 0.6)
+    targets = _merge_targets(keys, torch.tensor([[[0, 1]]]), torch.tensor([[[True, True]]]), 4)
+    assert targets.tolist() == [[-1, -1, 0, 1]]
 
 
 def test_same_entries_and_bytes_as_snapkv_but_merged_contents(tiny_model):

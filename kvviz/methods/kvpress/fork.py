@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from kvviz.cache.kvcache import KeyRotator, KVCache
 from kvviz.methods.kvpress.report import MAX_KEY_DISTANCE, NativePrefill, NativeReport, NotMappable
 from kvviz.methods.kvpress.rowmatch import match_rows, match_rows_in_order
+from kvviz.methods.merge import nearest_survivor
 from kvviz.runtime.models import LoadedModel
 
 _KVPRESS_ATTRIBUTES = ("rotary_emb", "masked_key_indices")
@@ -187,7 +188,8 @@ def _merge_targets(full_keys: torch.Tensor, positions: torch.Tensor, changed: to
     """[H, N] for batch 0: the survivor each evicted token was folded into (-1 for survivors and untouched tokens).
 
     Attribution: an evicted token goes to the survivor whose values changed and whose key is most cosine-similar
-    to its own (the rule merging presses use; the values alone do not say which tokens were summed).
+    to its own (:func:`kvviz.methods.merge.nearest_survivor`, the rule merging presses use; the values alone do not
+    say which tokens were summed).
     """
     heads = full_keys.shape[1]
     target = torch.full((heads, length), -1, dtype=torch.long)
@@ -197,7 +199,6 @@ def _merge_targets(full_keys: torch.Tensor, positions: torch.Tensor, changed: to
         evicted[positions[0, head]] = False
         if survivors.numel() == 0 or not bool(evicted.any()):
             continue
-        unit = torch.nn.functional.normalize(full_keys[0, head].float(), dim=-1)
-        similarity = unit[evicted] @ unit[survivors].T
-        target[head, evicted.cpu()] = survivors[similarity.argmax(-1)].cpu()
+        keys = full_keys[0, head]
+        target[head, evicted.cpu()] = survivors[nearest_survivor(keys[evicted], keys[survivors])].cpu()
     return target
