@@ -20,7 +20,7 @@ import torch
 from kvviz.cache.protocol import LayerView
 from kvviz.cache.spec import Param, register
 from kvviz.cache.storage import RaggedKeep
-from kvviz.methods.kvpress.scorer import PRESSES, KVPressScorer
+from kvviz.methods.kvpress.scorer import KVPressScorer, press_param
 
 
 def adaptive_keep(scores: torch.Tensor, per_head: int, alpha: float) -> torch.Tensor:
@@ -45,7 +45,7 @@ class AdaKV(KVPressScorer):
     summary = ("AdaKV: one budget per layer spread across its KV heads by score (heads keep different numbers of "
                "entries; each keeps at least alpha of the uniform share), ranked by a kvpress scorer.")
     params = (
-        Param("press", str, "snapkv", "kvpress scorer ranking the entries", choices=tuple(PRESSES)),
+        press_param("kvpress scorer ranking the entries"),
         Param("ratio", float, 0.5, "share of the layer's prompt entries removed (over all its heads)", min=0,
               max=0.99),
         Param("alpha", float, 0.2, "safeguard: share of the uniform per-head budget every head keeps", min=0, max=1),

@@ -17,7 +17,7 @@ import torch
 
 from kvviz.cache.protocol import EvictionMethod, LayerView
 from kvviz.cache.spec import Param, register
-from kvviz.methods.kvpress.scorer import PRESSES
+from kvviz.methods.kvpress.scorer import press_param, scorer_press
 
 CACHE_ONLY_PRESSES = ("knorm", "keydiff", "lagkv", "random")
 
@@ -28,8 +28,7 @@ class Decoding(EvictionMethod):
     summary = ("Periodic decode-time compression (kvpress's DecodingPress): every `every` generated steps, each KV "
                "head is cut back to its `target` top entries under a kvpress scorer; the prompt is left whole.")
     params = (
-        Param("press", str, "knorm", "kvpress scorer (one reading only cached keys and values)",
-              choices=CACHE_ONLY_PRESSES),
+        press_param("kvpress scorer (one reading only cached keys and values)", "knorm", CACHE_ONLY_PRESSES),
         Param("every", int, 16, "generated steps between compressions (DecodingPress's compression_interval)",
               min=1, max=1 << 20),
         Param("target", int, 256, "entries per KV head after each compression (DecodingPress's target_size)",
@@ -43,13 +42,6 @@ class Decoding(EvictionMethod):
 
     def new_state(self, layer_idx: int) -> dict:
         return {"steps": 0}
-
-    def _press(self, state: dict):
-        if "press" not in state:
-            import kvpress
-
-            state["press"] = getattr(kvpress, PRESSES[self.press])()
-        return state["press"]
 
     def prefill_select(self, view: LayerView, stats) -> None:
         return None  # the prompt stays whole, as with DecodingPress
@@ -67,7 +59,8 @@ class Decoding(EvictionMethod):
             return None
         keys, values = view.entries()
         with torch.inference_mode():
-            scores = self._press(view.state).score(None, None, keys[:, :, :older], values[:, :, :older], None, {})
+            press = scorer_press(view.state, self.press)
+            scores = press.score(None, None, keys[:, :, :older], values[:, :, :older], None, {})
         positions = view.positions[..., :older]
         layout = self._kvpress_layout(view.state, positions)
         ranked = layout.gather(-1, scores.float().gather(-1, layout).topk(self.target, dim=-1).indices)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from kvviz.cache.spec import Param, SpecError, register
-from kvviz.methods.kvpress.scorer import PRESSES, KVPressScorer, kept_count
+from kvviz.methods.kvpress.scorer import KVPressScorer, kept_count, press_param
 
 
 def layer_ratio(ratios: tuple[float, ...], layer_idx: int, layers: int) -> float:
@@ -30,7 +30,7 @@ class PerLayer(KVPressScorer):
                "than the layers); each layer keeps its top entries per KV head under a kvpress scorer.")
     ratio_param = "ratios"
     params = (
-        Param("press", str, "snapkv", "kvpress scorer ranking the entries within a layer", choices=tuple(PRESSES)),
+        press_param("kvpress scorer ranking the entries within a layer"),
         Param("ratios", str, "0.2/0.8", "share of the prompt removed per layer, first to last, '/'-separated",),
     )
 
@@ -52,4 +52,4 @@ class PerLayer(KVPressScorer):
         if len(self.values_per_layer) > layers:
             raise SpecError(f"per_layer gives {len(self.values_per_layer)} ratios; the model has {layers} layers")
         ratio = layer_ratio(self.values_per_layer, layer_idx, layers)
-        return length if ratio == 0 else kept_count(length, ratio)
+        return kept_count(length, ratio)

@@ -10,7 +10,7 @@ as in the paper).
 from __future__ import annotations
 
 from kvviz.cache.spec import Param, SpecError, register
-from kvviz.methods.kvpress.scorer import PRESSES, KVPressScorer
+from kvviz.methods.kvpress.scorer import KVPressScorer, press_param
 
 
 def pyramid_kept(length: int, layer_idx: int, layers: int, ratio: float, window: int, beta: int) -> int:
@@ -38,7 +38,7 @@ class PyramidKV(KVPressScorer):
     summary = ("PyramidKV: per-layer budgets falling linearly from the first layer to the last (same total as a "
                "uniform ratio); each layer keeps its top entries per KV head under a kvpress scorer.")
     params = (
-        Param("press", str, "snapkv", "kvpress scorer ranking the entries within a layer", choices=tuple(PRESSES)),
+        press_param("kvpress scorer ranking the entries within a layer"),
         Param("ratio", float, 0.5, "average share of the prompt's entries removed per layer", min=0, max=0.99),
         Param("beta", int, 20, "steepness: the top layer keeps 1/beta of the average budget", min=1, max=1000),
         Param("window", int, 64, "observation window (kvpress's window_size): SnapKV's voters, and the floor of "
@@ -53,13 +53,9 @@ class PyramidKV(KVPressScorer):
             return sized
         return cls(press=sized.press, ratio=sized.ratio, window=max(1, tokens // 2))
 
-    def _press(self, state: dict):
-        if "press" not in state:
-            import kvpress
-
-            options = {"window_size": self.window} if self.press in ("snapkv", "pyramidkv") else {}
-            state["press"] = getattr(kvpress, PRESSES[self.press])(compression_ratio=self.ratio, **options)
-        return state["press"]
+    def press_settings(self) -> dict:
+        window = {"window_size": self.window} if self.press in ("snapkv", "pyramidkv") else {}
+        return super().press_settings() | window
 
     def check_context(self, prompt_length: int) -> None:
         if self.ratio > 0 and self.press in ("snapkv", "pyramidkv") and prompt_length <= self.window:

@@ -51,8 +51,24 @@ def removed_share(tokens: int, prompt_length: int) -> str:
 
 
 def kept_count(length: int, ratio: float) -> int:
-    """Entries kvpress keeps for ``ratio`` (at least one)."""
-    return max(1, int(length * (1 - ratio)))
+    """Entries of ``length`` each head keeps at compression ratio ``ratio``: kvpress's ``compute_n_kept`` (at least
+    one), and everything at ratio 0, where kvpress's presses return the cache untouched."""
+    return length if ratio == 0 else max(1, int(length * (1 - ratio)))
+
+
+def press_param(help: str, default: str = "snapkv", choices: tuple[str, ...] = tuple(PRESSES)) -> Param:
+    """The ``press`` parameter of every kvpress wrapper: the kvpress scorer that ranks the entries."""
+    return Param("press", str, default, help, choices=choices)
+
+
+def scorer_press(state: dict, name: str, **settings):
+    """Layer state's kvpress scorer ``name``, built with ``settings`` on first use (kvpress imports slowly; some
+    presses keep per-layer settings, so each layer has its own)."""
+    if "press" not in state:
+        import kvpress
+
+        state["press"] = getattr(kvpress, PRESSES[name])(**settings)
+    return state["press"]
 
 
 @register
@@ -63,21 +79,18 @@ class KVPressScorer(ScoringEviction):
     compresses_prompt_only = True
     ratio_param: ClassVar[str] = "ratio"  # the parameter holding the share removed (per_layer: ratios)
     params = (
-        Param("press", str, "snapkv", "kvpress scorer", choices=tuple(PRESSES)),
+        press_param("kvpress scorer"),
         Param("ratio", float, 0.5, "compression ratio: share of the prompt's entries removed", min=0, max=0.99),
     )
     prefill_layer_inputs = True
 
     def new_state(self, layer_idx: int):
-        """One press object per layer (some presses keep per-layer settings), built lazily: kvpress imports slowly."""
+        """Holds the layer's press (see :func:`scorer_press`)."""
         return {}
 
-    def _press(self, state: dict):
-        if "press" not in state:
-            import kvpress
-
-            state["press"] = getattr(kvpress, PRESSES[self.press])(compression_ratio=self.ratio)
-        return state["press"]
+    def press_settings(self) -> dict:
+        """What the kvpress scorer is built with (pyramidkv adds its window)."""
+        return {"compression_ratio": self.ratio}
 
     def check_context(self, prompt_length: int) -> None:
         kept = kept_count(prompt_length, self.ratio)
@@ -96,7 +109,7 @@ class KVPressScorer(ScoringEviction):
 
     def budget_for(self, prompt_length: int) -> int | None:
         """The uniform share (the mean of the layer-adaptive wrappers' budgets)."""
-        return prompt_length if self.ratio == 0 else kept_count(prompt_length, self.ratio)
+        return kept_count(prompt_length, self.ratio)
 
     def layer_budget_for(self, prompt_length: int, layer_idx: int, layers: int) -> int:
         return self.layer_kept(prompt_length, layer_idx, layers)
@@ -112,7 +125,7 @@ class KVPressScorer(ScoringEviction):
     def layer_kept(self, length: int, layer_idx: int, layers: int) -> int:
         """Entries each head of layer ``layer_idx`` of ``layers`` keeps out of ``length``: the same in every layer
         here; the layer-adaptive wrappers (pyramidkv, per_layer) override it."""
-        return length if self.ratio == 0 else kept_count(length, self.ratio)
+        return kept_count(length, self.ratio)
 
     def prefill_scores(self, view: LayerView, stats) -> torch.Tensor:
         """The press's score of every cached entry, [B, H_kv, T] float32 (higher = keep); wrappers that spread
@@ -123,7 +136,8 @@ class KVPressScorer(ScoringEviction):
         kwargs = {"position_embeddings": inputs.position_embeddings, "hidden_states": inputs.hidden_states}
         with torch.inference_mode():
             module = _AttentionModule(inputs.module, inputs.rotary_emb)
-            scores = self._press(view.state).score(module, inputs.hidden_states, view.keys, view.values, None, kwargs)
+            press = scorer_press(view.state, self.press, **self.press_settings())
+            scores = press.score(module, inputs.hidden_states, view.keys, view.values, None, kwargs)
         heads = view.positions.shape[1]
         if scores.shape[1] != heads:  # an architecture method stores fewer heads: a group's heads vote together
             scores = scores.float().unflatten(1, (heads, -1)).mean(2)
