@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from kvviz.methods.kvpress.catalog import configure_presses
 from kvviz.runtime.faults import describe_error
 from kvviz.runtime.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.runtime.settings import Settings
@@ -11,8 +12,11 @@ from kvviz_app.url import ICON, Read, linked, listing, read_text, shown, unknown
 
 
 def settings() -> Settings:
-    """Deployment limits from the environment (upload size, prompt and generation caps)."""
-    return Settings.from_env()
+    """Deployment limits from the environment (upload size, prompt and generation caps); the server's own kvpress
+    presses are handed to the methods here, since they read no environment themselves."""
+    config = Settings.from_env()
+    configure_presses(config.presses, config.custom_presses_allowed)
+    return config
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)

@@ -10,10 +10,12 @@ import torch
 
 from kvviz.engine.session import PromptSession, compare
 from kvviz.methods import SpecError, parse_spec
+from kvviz.methods.kvpress.catalog import configure_presses, load_press_class, press_catalog
 from kvviz.methods.kvpress.coverage import HUB, NOT_MAPPABLE, RUNS, coverage
-from kvviz.methods.kvpress.native import KVPressNative, press_catalog
+from kvviz.methods.kvpress.native import KVPressNative
 from kvviz.methods.kvpress.report import NotMappable
 from kvviz.methods.kvpress.rowmatch import match_rows
+from kvviz.runtime.settings import Settings
 
 logging.getLogger("kvpress").setLevel(logging.ERROR)
 
@@ -23,6 +25,21 @@ NEEDS_REAL_MODEL = {"kvzip", "kvgrad"}
 EXTRA = {"dms": ",threshold=0.01"}
 # presses that, by design, keep every token on a random-weight model (channels, or no lazy layer found)
 KEEPS_ALL_TOKENS = {"think", "simlayerkv"}
+
+
+@pytest.fixture
+def server_settings(monkeypatch):
+    """Set KVVIZ_* variables, then hand the settings to the press catalog as the CLI's and the app's start-up do; the
+    catalog offers no own press again afterwards."""
+
+    def start(**env: str) -> None:
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        settings = Settings.from_env()
+        configure_presses(settings.presses, settings.custom_presses_allowed)
+
+    yield start
+    configure_presses((), True)
 
 
 @pytest.fixture(scope="module")
@@ -207,38 +224,43 @@ def _every_other_press():
 OwnPress = _every_other_press()
 
 
-def test_own_press_from_the_server_settings_appears_and_runs(monkeypatch, tiny_model, tiny_ids):
-    monkeypatch.setenv("KVVIZ_PRESSES", f"{__name__}.OwnPress")
+def test_own_press_from_the_server_settings_appears_and_runs(server_settings, tiny_model, tiny_ids):
+    server_settings(KVVIZ_PRESSES=f"{__name__}.OwnPress")
     assert "everyothertoken" in press_catalog()
     stack = parse_spec("kvpress_native:press=everyothertoken,keep_odd=1")
     kept = kept_sets(PromptSession(tiny_model, tiny_ids).fork(stack))
     assert bool(kept[..., 1::2].all()) and not bool(kept[..., 0::2].any())
 
 
-def test_own_press_is_refused_in_class_mode_unless_allowed(monkeypatch):
-    monkeypatch.setenv("KVVIZ_PRESSES", f"{__name__}.OwnPress")
-    monkeypatch.setenv("KVVIZ_ALLOWED_MODELS", "smollm2-135m-instruct")
+def test_own_press_is_refused_in_class_mode_unless_allowed(server_settings):
+    server_settings(KVVIZ_PRESSES=f"{__name__}.OwnPress", KVVIZ_ALLOWED_MODELS="smollm2-135m-instruct")
     assert "everyothertoken" not in press_catalog()
     with pytest.raises(SpecError, match="unknown kvpress press"):
         parse_spec("kvpress_native:press=everyothertoken")
-    monkeypatch.setenv("KVVIZ_ALLOW_PRESSES", "1")
+    server_settings(KVVIZ_ALLOW_PRESSES="1")
+    assert "everyothertoken" in press_catalog()
+
+
+def test_the_catalog_offers_what_the_entry_point_hands_it_not_what_the_environment_says(monkeypatch,
+                                                                                        server_settings):
+    monkeypatch.setenv("KVVIZ_PRESSES", f"{__name__}.OwnPress")
+    assert "everyothertoken" not in press_catalog()
+    server_settings()
     assert "everyothertoken" in press_catalog()
 
 
 def test_unimportable_own_press_is_one_line():
-    from kvviz.methods.kvpress.native import load_press_class
-
     with pytest.raises(SpecError, match="cannot be imported"):
         load_press_class("no_such_package.Press")
 
 
-def test_a_broken_press_setting_costs_only_itself_and_the_config_check_names_it(monkeypatch, capsys):
+def test_a_broken_press_setting_costs_only_itself_and_the_config_check_names_it(server_settings, capsys):
     """One unimportable entry in KVVIZ_PRESSES: the other presses (kvpress's and the good own one) still run, asking
     for a missing press says what is wrong with the setting, and ``python -m kvviz config`` (the container's start
     check) refuses it."""
     from kvviz.cli import main
 
-    monkeypatch.setenv("KVVIZ_PRESSES", f"no_such_package.Press,{__name__}.OwnPress")
+    server_settings(KVVIZ_PRESSES=f"no_such_package.Press,{__name__}.OwnPress")
     assert {"everyothertoken", "snapkv"} <= set(press_catalog())
     parse_spec("kvpress_native:press=snapkv")
     with pytest.raises(SpecError, match="KVVIZ_PRESSES: press 'no_such_package.Press' cannot be imported"):
@@ -278,8 +300,8 @@ def test_compare_json_carries_what_channel_pruning_and_merging_did(tiny_model, t
     assert "merges" not in brief and brief["merged_entries"] == report["merged_entries"]
 
 
-def test_a_press_whose_rows_match_no_token_is_an_error_not_a_ledger(monkeypatch, tiny_model, tiny_ids):
-    monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")
+def test_a_press_whose_rows_match_no_token_is_an_error_not_a_ledger(server_settings, tiny_model, tiny_ids):
+    server_settings(KVVIZ_PRESSES="tests.own_presses.KeyScalingPress")
     comparison = compare(tiny_model, tiny_ids, ["kvpress_native:press=keyscaling"], max_new_tokens=2)
     result = comparison.results[1]
     assert "changed keys in layer 0" in result.error

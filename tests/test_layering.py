@@ -108,3 +108,13 @@ def test_importing_the_cache_loads_no_method():
     probe = "import kvviz.cache.kvcache, sys; print(sorted(m for m in sys.modules if m.startswith('kvviz.methods')))"
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert loaded.stdout.strip() == "[]"
+
+
+def test_no_method_module_reads_the_environment():
+    """Methods receive their settings (the server's own presses: kvviz.methods.kvpress.catalog.configure_presses)
+    from the entry points; none reads os.environ or builds Settings itself."""
+    readers = sorted(name for name, path in sources().items() if name.startswith("kvviz.methods")
+                     for node in ast.walk(ast.parse(path.read_text()))
+                     if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "from_env"))
+                     or (isinstance(node, ast.ImportFrom) and node.module == "kvviz.runtime.settings"))
+    assert readers == []

@@ -28,10 +28,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_presses_from_settings() -> None:
+    """Hand the server's own kvpress presses (KVVIZ_PRESSES, KVVIZ_ALLOW_PRESSES) to the methods, which read no
+    environment themselves."""
+    from kvviz.methods.kvpress.catalog import configure_presses
+    from kvviz.runtime.settings import Settings
+
+    settings = Settings.from_env()
+    configure_presses(settings.presses, settings.custom_presses_allowed)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        configure_presses_from_settings()
         return args.handler(args)
     except (SpecError, ModelError, UsageError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings = Settings.from_env()
     if settings.presses:  # imported only when set: checking them loads kvpress
-        from kvviz.methods.kvpress.native import custom_press_problems
+        from kvviz.methods.kvpress.catalog import custom_press_problems
 
         problems = custom_press_problems()
         if problems:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvviz.methods.kvpress.native import NEEDS_DOWNLOAD, kvpress_classes, not_mappable_reason, press_fields
+from kvviz.methods.kvpress.catalog import NEEDS_DOWNLOAD, kvpress_classes, not_mappable_reason
+from kvviz.methods.kvpress.fields import press_fields
 from kvviz.methods.kvpress.scorer import PRESSES as ADAPTED
 
 RUNS = "runs natively"

@@ -9,213 +9,31 @@ This gives a kept index per layer and KV head: kvviz's cache, ledger, bytes and 
 Honest about presses that change entries: re-rotated keys (KeyRerotation, Finch) are matched after undoing the
 rotation; zeroed key channels (ThinK) are reported as channels kept per head; presses whose values change (merging)
 report which evicted token was folded into which survivor; anything that cannot be mapped raises
-:class:`NotMappable` with the reason. The press's parameters are read from its dataclass fields, so the CLI, the
-app and the docs need no hand-written list; wrappers take their inner press by name (``press=adakv,inner=snapkv``).
+:class:`NotMappable` with the reason. The press's parameters are read from its dataclass fields
+(:mod:`kvviz.methods.kvpress.fields`), so the CLI, the app and the docs need no hand-written list; wrappers take their
+inner press by name (``press=adakv,inner=snapkv``). Which presses are offered by name, the server's own included, is
+:mod:`kvviz.methods.kvpress.catalog`'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import inspect
-import operator
-import types
-import typing
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from kvviz.cache.protocol import EvictionMethod, LayerView
 from kvviz.cache.spec import Param, SpecError, register
+from kvviz.methods.kvpress.catalog import (
+    NEEDS_DOWNLOAD,
+    custom_press_problems,
+    not_mappable_reason,
+    press_catalog,
+    press_name,
+)
+from kvviz.methods.kvpress.fields import DEFAULT_RATIO, FieldKind, press_fields, ratio_defaults
 from kvviz.methods.kvpress.report import NativePrefill, NativeReport, NotMappable
 from kvviz.methods.kvpress.scorer import kept_count, removed_share
-
-DEFAULT_RATIO = 0.5  # kvpress's ratios default to 0 (no compression); kvviz shows an effect by default
-
-# Presses that need files this machine cannot reach, with the reason the coverage table prints.
-NEEDS_DOWNLOAD: dict[str, str] = {
-    "DuoAttentionPress": "downloads per-model head patterns (GitHub) or calibrates on a hub data set",
-    "ExpectedAttentionStatsPress": "loads query statistics from the hub (or computes them on a hub data set)",
-    "FastKVzipPress": "downloads trained gates from the hub (Jang-Hyun/Fast-KVzip)",
-    "KVzapPress": "downloads its scoring model from the hub",
-    "LUKVPress": "downloads per-model budget curves (GitHub)",
-    "QFilterPress": "downloads per-model Q-filters from the hub",
-    "RestoreKVPress": "downloads restore embeddings from the hub",
-}
-
-
-def press_name(cls: type) -> str:
-    """The SPEC name of a press class: its class name without ``Press``, lower case (SnapKVPress -> snapkv)."""
-    name = cls.__name__
-    return (name[: -len("Press")] if name.endswith("Press") and name != "Press" else name).lower()
-
-
-def _custom_presses() -> tuple[dict[str, type], list[str]]:
-    """Presses named by the server setting ``KVVIZ_PRESSES`` (dotted paths), when the settings allow them, and one
-    line per entry that cannot be loaded: a broken entry costs only itself, every other press stays available."""
-    from kvviz.runtime.settings import Settings
-
-    settings = Settings.from_env()
-    found: dict[str, type] = {}
-    problems: list[str] = []
-    if not settings.custom_presses_allowed:
-        return found, problems
-    for path in settings.presses:
-        try:
-            cls = load_press_class(path)
-        except SpecError as error:
-            problems.append(f"KVVIZ_PRESSES: {error}")
-            continue
-        found[press_name(cls)] = cls
-    return found, problems
-
-
-def custom_press_problems() -> list[str]:
-    """The server's ``KVVIZ_PRESSES`` entries that cannot be offered, one line each (``kvviz config`` refuses them,
-    and asking for a press that is not there says so)."""
-    return _custom_presses()[1]
-
-
-def load_press_class(path: str) -> type:
-    """Import ``package.module.Class`` (or ``package.module:Class``); SpecError in one line when that fails."""
-    module_name, _, class_name = path.replace(":", ".").rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise SpecError(f"press '{path}' cannot be imported: {error}") from None
-    import kvpress
-
-    if not (isinstance(cls, type) and issubclass(cls, kvpress.BasePress) and dataclasses.is_dataclass(cls)):
-        raise SpecError(f"'{path}' is not a kvpress press (a dataclass subclassing kvpress.BasePress)")
-    return cls
-
-
-def kvpress_classes() -> dict[str, type]:
-    """Every press class kvpress exports (abstract bases left out), by SPEC name."""
-    import kvpress
-
-    abstract = {kvpress.BasePress, kvpress.ScorerPress}
-    found = {}
-    for export in kvpress.__all__:
-        cls = getattr(kvpress, export)
-        if isinstance(cls, type) and issubclass(cls, kvpress.BasePress) and cls not in abstract:
-            found[press_name(cls)] = cls
-    return found
-
-
-def press_catalog() -> dict[str, type]:
-    """kvpress's presses plus the server's own (``KVVIZ_PRESSES``), by SPEC name."""
-    return {**kvpress_classes(), **_custom_presses()[0]}
-
-
-# -- parameters from the press's dataclass fields ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class OptionalParam(Param):
-    """A press field that may be None (``Optional[int]``): ``none`` in a SPEC."""
-
-    def describe_range(self) -> str:
-        return super().describe_range() + " or none"
-
-    def parse(self, method: str, raw: Any) -> Any:
-        if raw is None or str(raw).strip().lower() in ("none", ""):
-            return None
-        return super().parse(method, raw)
-
-
-@dataclass(frozen=True)
-class FieldKind:
-    """How one dataclass field is set from a SPEC: a scalar, the name of an inner press, or a '/'-separated list."""
-
-    name: str
-    kind: str  # "scalar", "press", "presses", "floats"
-    param: Param
-
-
-def _unwrap_optional(hint: Any) -> tuple[Any, bool]:
-    args = typing.get_args(hint)
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
-        rest = [a for a in args if a is not type(None)]
-        return (rest[0] if len(rest) == 1 else functools.reduce(operator.or_, rest)), True
-    return hint, False
-
-
-def _is_press_type(hint: Any) -> bool:
-    import kvpress
-
-    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    return any(isinstance(o, type) and issubclass(o, kvpress.BasePress) for o in options)
-
-
-def _init_parameters(cls: type) -> list[tuple[str, Any, Any]]:
-    """(name, type hint, default) of what the press's constructor takes: its dataclass fields, or the arguments of
-    its own ``__init__`` (CriticalKVPress writes one)."""
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except (NameError, TypeError):
-        hints = {}
-    fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-    found = []
-    for name, parameter in list(inspect.signature(cls.__init__).parameters.items())[1:]:
-        if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) or name.startswith("_"):
-            continue
-        default = parameter.default if parameter.default is not parameter.empty else dataclasses.MISSING
-        spec = fields.get(name)
-        if spec is not None and spec.default_factory is not dataclasses.MISSING:
-            default = spec.default_factory()
-        found.append((name, hints.get(name, parameter.annotation), default))
-    return found
-
-
-def press_fields(cls: type) -> list[FieldKind]:
-    """The settable fields of a press class, each with the Param the CLI and the app show for it.
-
-    A decoding press inside another (PrefillDecodingPress's ``decoding_press``) is left unset: kvviz decodes on its
-    own cache, where kvpress's decoding hooks do not run.
-    """
-    import kvpress
-
-    kinds = []
-    for name, raw_hint, default in _init_parameters(cls):
-        hint, optional = _unwrap_optional(raw_hint)
-        origin = typing.get_origin(hint)
-        if _is_press_type(hint):
-            if isinstance(hint, type) and issubclass(hint, kvpress.DecodingPress):
-                continue
-            inner = "snapkv" if default in (None, dataclasses.MISSING) else press_name(type(default))
-            options = typing.get_args(hint) or (hint,)
-            fitting = tuple(sorted(n for n, c in press_catalog().items() if issubclass(c, options)))
-            kinds.append(FieldKind(name, "press", Param("inner", str, inner,
-                                                        f"inner press by name ({_type_label(hint)})", choices=fitting)))
-        elif origin is list and typing.get_args(hint) and _is_press_type(typing.get_args(hint)[0]):
-            kinds.append(FieldKind(name, "presses", Param(
-                name, str, "knorm/streamingllm", "inner presses by name, '/'-separated, applied in order")))
-        elif origin is list and typing.get_args(hint) in ((float,), (int,)):
-            kinds.append(FieldKind(name, "floats", Param(
-                name, str, "", "'/'-separated, one per layer (empty: the inner press's ratio everywhere)")))
-        elif origin is typing.Literal:
-            choices = typing.get_args(hint)
-            kinds.append(FieldKind(name, "scalar", Param(
-                name, str, choices[0] if default is dataclasses.MISSING else default, name, choices=choices)))
-        elif hint in (bool, int, float, str):
-            if default is dataclasses.MISSING:
-                continue  # a required scalar without a default: none of kvpress's presses has one
-            if "compression_ratio" in name and default == 0:
-                default = DEFAULT_RATIO
-            limits = {"min": 0, "max": 0.99} if "compression_ratio" in name else {}
-            kind = OptionalParam if optional or default is None else Param
-            kinds.append(FieldKind(name, "scalar", kind(name, hint, default, f"{cls.__name__}.{name}", **limits)))
-    return kinds
-
-
-def _type_label(hint: Any) -> str:
-    return getattr(hint, "__name__", str(hint).replace("kvpress.presses.", ""))
-
-
-# -- the method -------------------------------------------------------------------------------------------------
 
 
 @register
@@ -246,7 +64,7 @@ class KVPressNative(EvictionMethod):
         ratio = getattr(self, "compression_ratio", None)
         if ratio is None or not issubclass(self.press_class, kvpress.ScorerPress):
             return None
-        return prompt_length if ratio == 0 else kept_count(prompt_length, ratio)
+        return kept_count(prompt_length, ratio)
 
     def __init__(self, **values: Any):
         self.press_class, self.fields, self.inner_fields, self.params = self.declare(values)
@@ -314,7 +132,7 @@ class KVPressNative(EvictionMethod):
                 unknown = [n for n in names if n not in catalog]
                 if unknown or not names:
                     raise SpecError(f"bad inner presses '{value}'; valid: {', '.join(sorted(catalog))}")
-                kwargs[kind.name] = [_construct(catalog[n], _ratio_defaults(catalog[n])) for n in names]
+                kwargs[kind.name] = [_construct(catalog[n], ratio_defaults(catalog[n])) for n in names]
             elif kind.kind == "floats":
                 ratio = getattr(self, "compression_ratio", DEFAULT_RATIO)
                 try:
@@ -348,26 +166,9 @@ class KVPressNative(EvictionMethod):
         return None if self._prefill is None else self._prefill[1].blocked[layer_idx]
 
 
-def _ratio_defaults(cls: type) -> dict[str, Any]:
-    return {f.name: f.param.default for f in press_fields(cls) if f.kind == "scalar" and "ratio" in f.name}
-
-
 def _construct(cls: type, kwargs: dict[str, Any]):
     """Build a press; its own checks (asserts, ValueErrors) become one-line SpecErrors."""
     try:
         return cls(**kwargs)
     except (AssertionError, ValueError, TypeError) as error:
         raise SpecError(f"kvpress {press_name(cls)} refused these settings: {error or 'invalid settings'}") from None
-
-
-def not_mappable_reason(cls: type) -> str | None:
-    """Why a press's result cannot be shown on kvviz's cache, or None when it can."""
-    import kvpress
-
-    if issubclass(cls, kvpress.FinchPress):
-        return ("it needs the prompt split by a delimiter token (context, then question) that kvpress's pipeline "
-                "inserts; kvviz's prompts carry none")
-    if issubclass(cls, kvpress.DecodingPress):
-        return ("it compresses while decoding, and kvviz decodes on its own cache (kvpress's hooks are not active "
-                "then); PrefillDecodingPress runs its prefill part, kvviz's h2o/tova evict while decoding")
-    return None
