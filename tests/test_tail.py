@@ -8,16 +8,9 @@ from kvviz.cache.protect import with_protected
 from kvviz.cache.storage import KeptRanges
 from kvviz.engine.session import PromptSession
 from kvviz.methods import REGISTRY, SpecError, budget_spec, parse_spec
-from kvviz.studies.tail import (
-    MAX_HOPS,
-    TASKS,
-    Instruction,
-    TailCell,
-    build_item,
-    failure_cause,
-    run_tail,
-    span_fates,
-)
+from kvviz.studies.tail import TailCell, run_tail
+from kvviz.studies.tail_attribution import failure_cause, span_fates
+from kvviz.studies.tail_items import MAX_HOPS, TASKS, Instruction, build_item
 
 CASES = [(task, 0) for task in TASKS if task != "vartrack"] + [("vartrack", k) for k in range(1, MAX_HOPS + 1)]
 
