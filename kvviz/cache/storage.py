@@ -1,4 +1,5 @@
-"""How a layer's K/V entries are held in memory. Dense tensors here; quantized stores live with their methods.
+"""How a layer's K/V entries are held in memory. Dense tensors here; quantized stores live with their methods
+(those quantizing each token on arrival build on :mod:`kvviz.cache.quantized`).
 
 A storage holds entries in cache order, per KV head: keys and values ``[B, H_kv, T, D]``. Eviction keeps a subset
 (``keep``), decoding appends, attention reads ``materialize()``. ``nbytes`` counts exactly the tensors held.
