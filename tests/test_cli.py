@@ -28,6 +28,50 @@ def test_compare_needs_exactly_one_prompt_source(capsys):
     assert "--prompt-file FILE or --play NAME" in capsys.readouterr().err
 
 
+def test_a_study_argument_the_model_cannot_run_exits_2_with_one_line(tiny_model, monkeypatch, capsys):
+    from kvviz import cli
+
+    monkeypatch.setattr(cli.options, "load", lambda args: tiny_model)
+    assert main(["needle", "--lengths", "64", "--depths", "0.5", "--mode", "sideways", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown needle mode 'sideways'" in err
+
+
+def test_an_unwritable_json_path_exits_2_with_one_line(tiny_model, monkeypatch, capsys, tmp_path):
+    from kvviz import cli
+
+    monkeypatch.setattr(cli.options, "load", lambda args: tiny_model)
+    out = tmp_path / "no such folder" / "out.json"
+    assert main(["compare", "--play", "hamlet", "--play-tokens", "20", "--max-new-tokens", "1", "--quiet",
+                 "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write {out}" in err
+
+
+@pytest.mark.parametrize("bug", [ValueError, RuntimeError])
+def test_a_bug_exits_1_with_its_traceback_not_as_a_user_mistake(monkeypatch, capsys, bug):
+    def broken(cls):
+        raise bug("an internal bug")
+
+    monkeypatch.setattr("kvviz.runtime.settings.Settings.from_env", classmethod(broken))
+    assert main(["config"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and f"{bug.__name__}: an internal bug" in err
+
+
+def test_a_bug_in_the_engine_during_a_run_exits_1_with_its_traceback(tiny_model, monkeypatch, capsys):
+    from kvviz import cli
+
+    def broken(*args, **kwargs):
+        raise ValueError("a bug in the engine")
+
+    monkeypatch.setattr(cli.options, "load", lambda args: tiny_model)
+    monkeypatch.setattr("kvviz.engine.session.encode_prompt", broken)
+    assert main(["compare", "--play", "hamlet", "--play-tokens", "20", "--quiet"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "ValueError: a bug in the engine" in err
+
+
 def test_compare_prints_a_markdown_table_from_a_play_excerpt(tiny_model, monkeypatch, capsys):
     from kvviz import cli
 

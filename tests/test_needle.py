@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvviz.cache.ledger import EvictionLedger
-from kvviz.engine.session import PromptSession
+from kvviz.engine.session import PromptError, PromptSession
 from kvviz.methods import REGISTRY
 from kvviz.studies.needle import NeedleCell, build_needle_prompt, needle_eviction, run_needle_grid
 
@@ -46,7 +46,7 @@ def test_bad_grid_arguments_fail_before_any_work(tiny_model):
     for kwargs, message in [({"mode": "sideways"}, "mode"), ({"depths": [1.5]}, "depths"),
                             ({"lengths": [0]}, "lengths"), ({"trials": 0}, "trials")]:
         arguments = {"specs": ["full"], "lengths": [300], "depths": [0.5]} | kwargs
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(PromptError, match=message):  # the user's mistake (the CLI exits 2), not a bug
             run_needle_grid(tiny_model, **arguments)
 
 

@@ -19,7 +19,7 @@ from kvviz.bench.harness import sync
 from kvviz.cache.kvcache import KVCache
 from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
-from kvviz.runtime.models import LoadedModel, resolve_device, resolve_dtype
+from kvviz.runtime.models import LoadedModel, ModelError, resolve_device, resolve_dtype
 from kvviz.runtime.replay import decode
 from kvviz.studies.perplexity import play_text
 
@@ -64,7 +64,7 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None,
         try:
             fields = json.loads(spec)
         except json.JSONDecodeError:
-            raise ValueError(f"--random-model: use a preset ({', '.join(PRESETS)}), a JSON file or JSON text") from None
+            raise ModelError(f"--random-model: use a preset ({', '.join(PRESETS)}), a JSON file or JSON text") from None
     text_tokenizer = AutoTokenizer.from_pretrained(tokenizer) if tokenizer else None
     if text_tokenizer is not None:
         fields["vocab_size"] = max(fields.get("vocab_size", 0), len(text_tokenizer))

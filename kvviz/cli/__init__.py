@@ -2,7 +2,8 @@
 
 One module per command in this package, each with ``add_parser(commands)`` and ``run(args)``; adding a command is
 adding its module and its name to ``COMMANDS``. Every mistake a user can make (a bad SPEC, a missing file, an unknown
-model) ends with one line on stderr and exit code 2, never a traceback.
+model, a bad setting) ends with one line on stderr and exit code 2, never a traceback; anything else is kvviz's own
+bug and ends with its traceback and exit code 1.
 """
 
 from __future__ import annotations
@@ -10,12 +11,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 from kvviz.cli.options import UsageError
+from kvviz.engine.session import PromptError
 from kvviz.methods import SpecError
 from kvviz.runtime.models import ModelError
+from kvviz.runtime.settings import SettingsError
 
 USAGE_ERROR = 2
+INTERNAL_ERROR = 1
+USER_MISTAKES = (UsageError, SpecError, ModelError, SettingsError, PromptError)
 COMMANDS = ("prepare", "config", "info", "methods", "compare", "ppl", "needle", "axes", "tail", "bench", "prefix")
 
 
@@ -39,11 +45,14 @@ def configure_presses_from_settings() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """Run one command; argparse itself exits 2 on a malformed command line."""
+    args = build_parser().parse_args(argv)
     try:
         configure_presses_from_settings()
         return args.handler(args)
-    except (SpecError, ModelError, UsageError, ValueError) as error:
+    except USER_MISTAKES as error:
         print(f"error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except Exception:  # a bug: the traceback is what a report needs
+        traceback.print_exc()
+        return INTERNAL_ERROR

@@ -39,6 +39,7 @@ def load(args: argparse.Namespace) -> LoadedModel:
 
 
 def read_text(path: str) -> str:
+    """The UTF-8 text of a file the user named, or a one-line UsageError."""
     file = Path(path)
     if not file.is_file():
         raise UsageError(f"no such file: {path}")
@@ -46,6 +47,8 @@ def read_text(path: str) -> str:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise UsageError(f"{path} is not UTF-8 text") from None
+    except OSError as error:
+        raise UsageError(f"cannot read {path}: {error.strerror}") from None
 
 
 def numbers(text: str, kind: type, option: str) -> list:

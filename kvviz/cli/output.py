@@ -7,15 +7,21 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from kvviz.cli.options import UsageError
+
 Progress = Callable[[float, str], None]
 
 
 def write_json(path: str | None, data: dict) -> None:
+    """``data`` as JSON to stdout (``-``) or to the file ``path``; a file that cannot be written is a UsageError."""
     text = json.dumps(data, indent=2)
     if path in (None, "-"):
         print(text)
-    else:
+        return
+    try:
         Path(path).write_text(text + "\n", encoding="utf-8")
+    except OSError as error:
+        raise UsageError(f"cannot write {path}: {error.strerror}") from None
 
 
 def stderr_progress() -> Progress:

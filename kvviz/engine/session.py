@@ -30,7 +30,8 @@ from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_to
 
 
 class PromptError(ValueError):
-    """A prompt that cannot be run, with a message meant for the user."""
+    """A prompt, or the arguments a study builds its prompts from (lengths, depths, mode, trials), that cannot be
+    run; the message is one line meant for the user (the CLI exits 2 on it)."""
 
 
 def check_context(loaded: LoadedModel, tokens: int, room: int = 1, what: str = "the prompt") -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from kvviz.cache.ledger import KEPT, EvictionLedger
-from kvviz.engine.session import PromptSession, capture_for
+from kvviz.engine.session import PromptError, PromptSession, capture_for
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.replay import Progress
@@ -122,7 +122,7 @@ def filler_for(tokenizer, base: str, length: int, stream, what: str) -> list[str
     tokens; the caller trims them until the whole rendered prompt fits (the per-sentence count is an estimate)."""
     budget = length - len(tokenizer(base, add_special_tokens=False)["input_ids"])
     if budget < 0:
-        raise ValueError(f"length {length} is too short for the {what} prompt: it needs {length - budget} tokens")
+        raise PromptError(f"length {length} is too short for the {what} prompt: it needs {length - budget} tokens")
     filler: list[str] = []
     while budget > 0:
         sentence = next(stream)
@@ -135,7 +135,7 @@ def build_needle_prompt(tokenizer, length: int, depth: float, seed: int = 0, tri
                         chat: bool = True) -> NeedlePrompt:
     """A prompt of at most ``length`` tokens with the key after ``depth`` (0..1) of the filler sentences."""
     if chat and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; run the needle test without chat")
+        raise PromptError("this model has no chat template; run the needle test without chat")
     rng = random.Random(f"kvviz-needle:{seed}:{trial}")
     key = str(rng.randint(10000, 99999))
     stream = filler_sentences(rng)
@@ -202,19 +202,19 @@ def run_needle_grid(
 ) -> NeedleReport:
     """Run every method on every (trial, length, depth) haystack; one prefill per haystack is shared by all methods.
 
-    Success means the key's digits appear in the greedy answer. ValueError (SpecError included) for bad arguments,
-    before any model work.
+    Success means the key's digits appear in the greedy answer. PromptError or SpecError for bad arguments, before
+    any model work.
     """
     if mode not in MODES:
-        raise ValueError(f"unknown needle mode {mode!r}; choose {' or '.join(MODES)}")
+        raise PromptError(f"unknown needle mode {mode!r}; choose {' or '.join(MODES)}")
     if not specs or not lengths or not depths:
-        raise ValueError("the needle grid needs at least one method, one length and one depth")
+        raise PromptError("the needle grid needs at least one method, one length and one depth")
     if any(length < 1 for length in lengths):
-        raise ValueError("needle lengths must be positive token counts")
+        raise PromptError("needle lengths must be positive token counts")
     if any(not 0.0 <= depth <= 1.0 for depth in depths):
-        raise ValueError("needle depths must lie between 0 and 1")
+        raise PromptError("needle depths must lie between 0 and 1")
     if trials < 1 or max_new_tokens < 1:
-        raise ValueError("trials and max_new_tokens must be at least 1")
+        raise PromptError("trials and max_new_tokens must be at least 1")
     stacks = [parse_spec(spec) for spec in specs]
     capture = capture_for(stacks)
     cases = [(trial, length, depth) for trial in range(trials) for length in lengths for depth in depths]

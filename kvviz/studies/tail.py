@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvviz.engine.session import PromptSession, capture_for
+from kvviz.engine.session import PromptError, PromptSession, capture_for
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.replay import Progress
@@ -124,26 +124,26 @@ def run_tail(
     """Calibrate every item on ``full``, then run every method (and, for each ``protect`` name, every eviction
     method again with those spans protected) on the items full got right.
 
-    One prefill per item is shared by all methods. ValueError (SpecError included) for bad arguments, before any
-    model work.
+    One prefill per item is shared by all methods. PromptError or SpecError for bad arguments, before any model
+    work.
     """
     hops = list(hops or range(1, MAX_HOPS + 1))
     protect = list(protect or [])
     if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose {' or '.join(MODES)}")
+        raise PromptError(f"unknown mode {mode!r}; choose {' or '.join(MODES)}")
     unknown = [t for t in tasks if t not in TASKS]
     if unknown or not tasks:
-        raise ValueError(f"unknown task(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(TASKS)}")
+        raise PromptError(f"unknown task(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(TASKS)}")
     if not specs or not lengths or not depths:
-        raise ValueError("the tail run needs at least one method, one length and one depth")
+        raise PromptError("the tail run needs at least one method, one length and one depth")
     if any(not 0.0 <= d <= 1.0 for d in depths):
-        raise ValueError("depths must lie between 0 and 1")
+        raise PromptError("depths must lie between 0 and 1")
     if any(not 1 <= h <= MAX_HOPS for h in hops):
-        raise ValueError(f"vartrack hops must lie between 1 and {MAX_HOPS}")
+        raise PromptError(f"vartrack hops must lie between 1 and {MAX_HOPS}")
     if any(name not in PROTECT for name in protect):
-        raise ValueError(f"unknown protection {', '.join(protect)}; choose from {', '.join(PROTECT)}")
+        raise PromptError(f"unknown protection {', '.join(protect)}; choose from {', '.join(PROTECT)}")
     if trials < 1:
-        raise ValueError("trials must be at least 1")
+        raise PromptError("trials must be at least 1")
     stacks = [parse_spec(spec) for spec in specs]
     stacks = [parse_spec("full")] + [s for s in stacks if s.label != "full"]
     runs = [(stack, "") for stack in stacks]

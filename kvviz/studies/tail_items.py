@@ -10,6 +10,7 @@ import random
 import re
 from dataclasses import dataclass, field
 
+from kvviz.engine.session import PromptError
 from kvviz.studies.needle import build_needle_prompt, filler_for, filler_sentences, first_token_at, span_tokens
 
 TASKS = ("needle", "multikey", "multivalue", "vartrack", "instructions")
@@ -216,17 +217,17 @@ def build_item(tokenizer, task: str, length: int, depth: float, seed: int = 0, t
     """One prompt of at most ``length`` tokens for ``task``, deterministic in (task, hops, seed, trial).
 
     Filler comes from the same seeded stream as the needle, so a shorter prompt is a prefix of a longer one and
-    items differ only in length and depth. ValueError when ``length`` cannot hold the task.
+    items differ only in length and depth. PromptError when ``length`` cannot hold the task.
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tail tasks need a chat model (the instructions live in its system turn)")
+        raise PromptError("the tail tasks need a chat model (the instructions live in its system turn)")
     if task == "needle":
         prompt = build_needle_prompt(tokenizer, length, depth, seed, trial, chat=True)
         span = PlantedSpan("pass key", "pass key", f"{prompt.key} ... {prompt.key}", prompt.needle_positions)
         return TailItem(f"needle:{length}:{depth:g}:{trial}", "needle", 0, length, depth, trial, prompt.ids,
                         prompt.question_start, prompt.context_start, [span], [prompt.key])
     if task == "vartrack" and not 1 <= hops <= MAX_HOPS:
-        raise ValueError(f"vartrack hops must lie between 1 and {MAX_HOPS}")
+        raise PromptError(f"vartrack hops must lie between 1 and {MAX_HOPS}")
     rng = random.Random(f"kvviz-tail:{task}:{hops}:{seed}:{trial}")
     layout = _layout(task, rng, depth, hops)
     system, plants, preface, question = layout.system, layout.plants, layout.preface, layout.question
