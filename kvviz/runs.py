@@ -117,10 +117,11 @@ class NeedleRequest(RunRequest):
     mode: str
     chat: bool
     max_new_tokens: int
+    seed: int = 0  # which haystacks (keys); the page keeps the default
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> NeedleReport:
         return run_needle_grid(loaded, list(self.specs), list(self.lengths), list(self.depths), trials=self.trials,
-                               chat=self.chat, mode=self.mode, max_new_tokens=self.max_new_tokens,
+                               seed=self.seed, chat=self.chat, mode=self.mode, max_new_tokens=self.max_new_tokens,
                                progress=progress)
 
 
@@ -136,10 +137,13 @@ class TailRequest(RunRequest):
     hops: tuple[int, ...]
     mode: str
     protect: tuple[str, ...]
+    trials: int = 1  # items per cell; the page keeps the defaults
+    seed: int = 0
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> TailReport:
         return run_tail(loaded, list(self.specs), list(self.tasks), list(self.lengths), list(self.depths),
-                        list(self.hops), mode=self.mode, protect=list(self.protect), progress=progress)
+                        list(self.hops), trials=self.trials, seed=self.seed, mode=self.mode,
+                        protect=list(self.protect), progress=progress)
 
 
 
@@ -151,11 +155,12 @@ class PrefixTurnsRequest(RunRequest):
     prompts: tuple[tuple[int, ...], ...]
     labels: tuple[str, ...]
     block_tokens: int
+    repeats: int = 1  # time each prefill this many times and keep the best (the CLI's --repeats)
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> ReuseReport:
         with loaded.lock:
             return run_turns(loaded, [list(p) for p in self.prompts], list(self.labels), self.block_tokens,
-                             progress=progress)
+                             self.repeats, progress=progress)
 
 
 @dataclass(frozen=True)

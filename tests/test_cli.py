@@ -115,3 +115,16 @@ def test_info_json_and_compare_json_end_to_end(tmp_path):
                            "agreement_with_full", "first_divergence"}
     assert result["method"] == "full" and result["kv_bytes"] == result["kv_bytes_full"]
     assert len(result["token_ids"]) <= 8
+
+
+def test_the_comparison_prints_as_text_each_method_with_its_bytes_or_its_failure():
+    from kvviz.engine.results import Comparison, MethodResult
+
+    comparison = Comparison("m", "cpu", 10, list(range(10)), 0.5, [
+        MethodResult("full", text="an answer", kv_bytes=4096, kv_bytes_full=4096, seconds=0.25,
+                     agreement_with_full=1.0),
+        MethodResult("window:window=4", error="out of memory")])
+    assert comparison.lines() == ["model m on cpu, prompt 10 tokens, prefill 0.50s", "",
+                                  "== full: kv 4,096 B vs full 4,096 B 1.00x smaller, agreement 1.00, 0.25s",
+                                  "an answer", "", "== window:window=4: FAILED: out of memory"]
+    assert comparison.to_markdown().splitlines()[-1] == "| `window:window=4` | failed: out of memory | | | | |"

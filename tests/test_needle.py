@@ -64,3 +64,6 @@ def test_full_finds_the_key_and_the_ledger_shows_window_evicting_it(real_model):
     assert data["summary"][0] == {"method": "full", "length": 360, "depth": 0.3, "trials": 1, "found": 1,
                                   "survived": 1}
     assert data["cells"][1]["evicted_layers"] == list(range(30))
+    grid = ["depth \\ length        360"]
+    assert report.lines()[1:] == ["", "== full", *grid, f"{'0.3':<16}{'1/1 ':>10}", "", "== window:window=64", *grid,
+                                  f"{'0.3':<16}{'0/1*':>10}"]

@@ -225,6 +225,22 @@ def test_cli_prefix_refuses_a_method_that_does_not_evict(capsys):
     assert "prefix sharing compares eviction methods" in capsys.readouterr().err
 
 
+def test_cli_prefix_json_to_stdout_is_the_json_alone(tiny_model, monkeypatch, capsys, tmp_path):
+    import json
+
+    from kvviz import cli
+
+    monkeypatch.setattr(cli.options, "load", lambda args: tiny_model)
+    preamble = tmp_path / "preamble.txt"
+    preamble.write_text(SHORT_PREAMBLE, encoding="utf-8")
+    assert cli.main(["prefix", "--preamble-file", str(preamble), "--method", "streaming_llm:sinks=4,window=24",
+                     "--max-new-tokens", "2", "--quiet", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["block_tokens"] == 16 and len(data["turns"]) == len(data["block_tables"]) == 2
+    assert len(data["sharing"]) == 2 and all(row["method"].startswith("streaming_llm") for row in data["sharing"])
+    assert data["turns"][1]["hit_blocks"] == data["preamble_tokens"] // 16
+
+
 def test_edits_change_every_block_from_the_edit_on(real_model):
     from kvviz.runtime.prefix import default_preamble, edit_preamble
 

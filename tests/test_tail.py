@@ -177,6 +177,8 @@ def test_short_real_run_calibrates_attributes_and_protects(real_model):
     assert {"settings", "calibration", "summary", "cells", "items"} <= set(data)
     assert any(row["task"] == "needle" and row["method"] == "full" and row["accuracy"] == 1.0
                for row in data["summary"])
+    assert "  window:window=40 on needle:200:0.3:0: evicted: pass key at step 0 in 30 layers; answer " in "\n".join(
+        report.lines())
 
 
 def test_tail_figures_order_tasks_and_mark_evicted_planted_tokens():

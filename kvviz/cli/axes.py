@@ -26,7 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from kvviz.planning.memory import model_card
-    from kvviz.studies.three_axes import axes_specs, run_axes
+    from kvviz.studies.three_axes import AxisRow, axes_specs, run_axes
 
     for spec in [*(args.method or []), *(args.also or [])]:
         parse_spec(spec)
@@ -45,13 +45,5 @@ def run(args: argparse.Namespace) -> int:
     if args.json != "-":
         print(f"{loaded.name} on {loaded.device}, needle prompt of {args.length} tokens (key {key} at depth "
               f"{args.depth:g}), {args.max_new_tokens} new tokens\n")
-        print("| SPEC | KV bytes | share of full | heads × tokens × bits | agreement | mean KL | needle |")
-        print("|---|---|---|---|---|---|---|")
-        for r in rows:
-            if r.error:
-                print(f"| `{r.method}` | failed: {r.error} | | | | | |")
-                continue
-            quality = "" if r.agreement is None else f"{r.agreement:.0%} | {r.mean_kl:.3f}"
-            print(f"| `{r.method}` | {r.kv_bytes:,} | {r.share_of_full:.3f} | {r.architecture:.3f} × "
-                  f"{r.eviction:.3f} × {r.quantization:.3f} | {quality} | {'found' if r.needle_found else 'missed'} |")
+        print("\n".join([*AxisRow.MARKDOWN_HEADER, *(r.markdown_row() for r in rows)]))
     return 0

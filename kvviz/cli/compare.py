@@ -26,7 +26,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvviz.engine.session import compare, encode_prompt
+    from kvviz.engine.session import encode_prompt
+    from kvviz.runs import CompareRequest
 
     specs = options.methods(args)
     if (args.prompt_file is None) == (args.play is None):
@@ -37,15 +38,13 @@ def run(args: argparse.Namespace) -> int:
         text = _play_excerpt(loaded.tokenizer, args.play, args.play_tokens)
     if args.question:
         text = f"{text}\n\n{args.question}"
-    prompt_ids = encode_prompt(loaded.tokenizer, text, chat=args.chat)
-    comparison = compare(loaded, prompt_ids, specs, args.max_new_tokens, progress=progress_unless(args.quiet))
+    request = CompareRequest(tuple(encode_prompt(loaded.tokenizer, text, chat=args.chat)), tuple(specs),
+                             args.max_new_tokens)
+    comparison = request.compute(loaded, progress_unless(args.quiet))
     if args.json:
         write_json(args.json, comparison.to_json())
     if args.json != "-":
-        if args.markdown:
-            _print_markdown(comparison)
-        else:
-            _print_comparison(comparison)
+        print(comparison.to_markdown() if args.markdown else "\n".join(comparison.lines()))
     return 0
 
 
@@ -58,35 +57,3 @@ def _play_excerpt(tokenizer, play: str, tokens: int) -> str:
     except LookupError as error:
         raise UsageError(str(error)) from None
     return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
-
-
-def _print_markdown(comparison) -> None:
-    """One Markdown row per method: bytes, how many times smaller than full, teacher-forced quality."""
-    print(f"model {comparison.model} on {comparison.device}, prompt {comparison.prompt_tokens} tokens\n")
-    print("| method | KV bytes | vs full | agreement | mean KL (nats) | first divergence |")
-    print("|---|---|---|---|---|---|")
-    for r in comparison.results:
-        if r.error:
-            print(f"| `{r.method}` | failed: {r.error} | | | | |")
-            continue
-        agreement = "-" if r.agreement_with_full is None else f"{r.agreement_with_full:.2f}"
-        kl = "-" if r.mean_kl is None else f"{r.mean_kl:.3f}"
-        divergence = "-" if r.first_divergence is None else str(r.first_divergence)
-        print(f"| `{r.method}` | {r.kv_bytes / 2**20:.2f} MiB | {r.compression or 0:.2f}x | {agreement} | {kl} | "
-              f"{divergence} |")
-
-
-def _print_comparison(comparison) -> None:
-    print(f"model {comparison.model} on {comparison.device}, prompt {comparison.prompt_tokens} tokens, "
-          f"prefill {comparison.prefill_seconds:.2f}s")
-    for result in comparison.results:
-        if result.error:
-            print(f"\n== {result.method}: FAILED: {result.error}")
-            continue
-        ratio = f"{result.compression:.2f}x smaller" if result.compression else ""
-        agreement = "" if result.agreement_with_full is None else f", agreement {result.agreement_with_full:.2f}"
-        print(f"\n== {result.method}: kv {result.kv_bytes:,} B vs full {result.kv_bytes_full:,} B {ratio}"
-              f"{agreement}, {result.seconds:.2f}s")
-        for line in result.native_report.lines() if result.native_report is not None else []:
-            print(f"   {line}")
-        print(result.text)

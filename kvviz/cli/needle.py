@@ -26,29 +26,16 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvviz.studies.needle import run_needle_grid
+    from kvviz.runs import NeedleRequest
 
     specs = options.methods(args)
     lengths = options.numbers(args.lengths, int, "--lengths")
     depths = options.numbers(args.depths, float, "--depths")
-    loaded = options.load(args)
-    report = run_needle_grid(loaded, specs, lengths, depths, args.trials, args.seed, args.chat, args.mode,
-                             args.max_new_tokens, progress_unless(args.quiet))
+    request = NeedleRequest(tuple(specs), tuple(lengths), tuple(depths), args.trials, args.mode, args.chat,
+                            args.max_new_tokens, args.seed)
+    report = request.compute(options.load(args), progress_unless(args.quiet))
     if args.json:
         write_json(args.json, report.to_json())
     if args.json != "-":
-        _print_needle(report, lengths, depths)
+        print("\n".join(report.lines()))
     return 0
-
-
-def _print_needle(report, lengths: list[int], depths: list[float]) -> None:
-    rows = {(r["method"], r["length"], r["depth"]): r for r in report.summary()}
-    print(f"needle grid ({report.settings['mode']}, {report.settings['trials']} trial(s)): found/trials; "
-          f"* = the key's tokens were evicted in some trial; {report.seconds:.1f}s")
-    for method in report.settings["methods"]:
-        print(f"\n== {method}")
-        print("depth \\ length " + "".join(f"{length:>10}" for length in lengths))
-        for depth in depths:
-            cells = [rows[(method, length, depth)] for length in lengths]
-            marks = [f"{c['found']}/{c['trials']}{'*' if c['survived'] < c['trials'] else ' '}" for c in cells]
-            print(f"{depth:<16g}" + "".join(f"{m:>10}" for m in marks))

@@ -27,8 +27,11 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvviz.runtime.prefix import DEFAULT_QUESTIONS, default_preamble, run_turns, turn_ids
-    from kvviz.studies.prefix_sharing import DEFAULT_METHODS, compare_sharing
+    """The turns through one prefix cache, then the kept-set overlap of the first two questions; with ``--json -``
+    stdout holds the JSON alone."""
+    from kvviz.runs import PrefixSharingRequest, PrefixTurnsRequest
+    from kvviz.runtime.prefix import DEFAULT_QUESTIONS, default_preamble, turn_ids
+    from kvviz.studies.prefix_sharing import DEFAULT_METHODS
 
     preamble = options.read_text(args.preamble_file) if args.preamble_file else default_preamble()
     if not preamble.strip():
@@ -44,30 +47,18 @@ def run(args: argparse.Namespace) -> int:
     pieces = [turn_ids(loaded.tokenizer, preamble, q) for q in questions]
     preamble_ids = pieces[0][0]
     progress = progress_unless(args.quiet)
-    turns = run_turns(loaded, [preamble_ids + q for _, q in pieces], labels=questions,
-                      block_tokens=args.block_tokens, repeats=args.repeats, progress=progress)
+    turns = PrefixTurnsRequest(tuple(tuple(preamble_ids + q) for _, q in pieces), tuple(questions),
+                               args.block_tokens, args.repeats).compute(loaded, progress)
     sharing = None
     if len(questions) >= 2 and not args.no_sharing:
-        sharing = compare_sharing(loaded, preamble_ids, pieces[0][1], pieces[1][1], specs, args.max_new_tokens,
-                                  progress=progress)
-    print(f"preamble {len(preamble_ids)} tokens, blocks of {args.block_tokens}")
-    for turn in turns.turns:
-        print(f"  {turn.label[:48]!r}: {turn.prompt_tokens} tokens, {turn.lookup.hits}/{len(turn.lookup.blocks)} "
-              f"blocks hit ({turn.lookup.reused_tokens} tokens reused), TTFT {turn.ttft_reused * 1000:.0f} ms vs "
-              f"{turn.ttft_fresh * 1000:.0f} ms fresh ({turn.ttft_reused / turn.ttft_fresh:.2f}x), "
-              f"max |logit diff| {turn.max_logit_diff:.2e}")
-    if sharing is not None:
-        print("kept preamble tokens, question A vs B (Jaccard, mean over layers; answering B from A's cache):")
-        for row in sharing.rows:
-            print(f"  {row.method:<44} {row.mode:<15} Jaccard {row.jaccard:.3f} "
-                  f"{'shareable' if row.shareable else 'NOT shareable':<13} agreement own {row.agreement_own:.2f} "
-                  f"shared {row.agreement_shared:.2f}, KL own {row.mean_kl_own:.4f} shared {row.mean_kl_shared:.4f}")
+        sharing = PrefixSharingRequest(tuple(preamble_ids), tuple(pieces[0][1]), tuple(pieces[1][1]), tuple(specs),
+                                       args.max_new_tokens).compute(loaded, progress)
+    if args.json != "-":
+        print(f"preamble {len(preamble_ids)} tokens, blocks of {args.block_tokens}")
+        print("\n".join(turns.lines() + (sharing.lines() if sharing is not None else [])))
     if args.json:
-        write_json(args.json, {
-            "model": loaded.name, "device": loaded.device, "block_tokens": args.block_tokens,
-            "preamble_tokens": len(preamble_ids), "turns": turns.to_rows(),
-            "block_tables": [[b.status for b in t.lookup.blocks] for t in turns.turns],
-            "sharing": [] if sharing is None else [row | {"jaccard_per_layer": r.jaccard_per_layer}
-                                                   for row, r in zip(sharing.to_rows(), sharing.rows, strict=True)],
-        })
+        write_json(args.json, {"model": loaded.name, "device": loaded.device, "block_tokens": args.block_tokens,
+                               "preamble_tokens": len(preamble_ids), "turns": turns.to_rows(),
+                               "block_tables": turns.block_tables(),
+                               "sharing": [] if sharing is None else sharing.json_rows()})
     return 0

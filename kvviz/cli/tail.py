@@ -31,7 +31,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvviz.studies.tail import TASKS, run_tail
+    from kvviz.runs import TailRequest
+    from kvviz.studies.tail import TASKS
 
     specs = options.methods(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -41,39 +42,11 @@ def run(args: argparse.Namespace) -> int:
     lengths = options.numbers(args.lengths, int, "--lengths")
     depths = options.numbers(args.depths, float, "--depths")
     hops = options.numbers(args.hops, int, "--hops")
-    loaded = options.load(args)
-    report = run_tail(loaded, specs, tasks, lengths, depths, hops, args.trials, args.seed, args.mode,
-                      args.protect or [], progress_unless(args.quiet))
+    request = TailRequest(tuple(specs), tuple(tasks), tuple(lengths), tuple(depths), tuple(hops), args.mode,
+                          tuple(args.protect or ()), args.trials, args.seed)
+    report = request.compute(options.load(args), progress_unless(args.quiet))
     if args.json:
         write_json(args.json, report.to_json())
     if args.json != "-":
-        _print_tail(report)
+        print("\n".join(report.lines()))
     return 0
-
-
-def _print_tail(report) -> None:
-    print(f"tail tasks ({report.settings['mode']}), {report.seconds:.1f}s; calibration (full right / generated):")
-    print("  " + ", ".join(f"{c['task']} {c['kept']}/{c['generated']}{' instr.' if c['unit'] == 'instructions' else ''}"
-                           for c in report.calibration))
-    rows = report.summary()
-    tasks = list(dict.fromkeys(r["task"] for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    table = {(r["task"], r["method"]): r for r in rows}
-    width = max(len(m) for m in methods) + 2
-    print(f"\naccuracy on kept items (* = some failure lost a planted span to eviction)\n{'method':<{width}}"
-          + "".join(f"{t:>16}" for t in tasks))
-    for method in methods:
-        marks = []
-        for task in tasks:
-            row = table.get((task, method))
-            star = "*" if row and row["failures_evicted"] else ""
-            marks.append("-" if row is None else f"{row['accuracy']:.0%} ({row['items']}){star}")
-        print(f"{method:<{width}}" + "".join(f"{m:>16}" for m in marks))
-    lost = [c for c in report.cells if not c.correct]
-    if lost:
-        print("\nfailures:")
-    for cell in lost:
-        where = "; ".join(f"{f.label} at step {f.evicted_step} in {len(f.evicted_layers)} layers"
-                          for f in cell.spans if f.evicted)
-        print(f"  {cell.method} on {cell.item_id}: {cell.cause}{': ' + where if where else ''}; "
-              f"answer {cell.answer.strip()[:60]!r}")

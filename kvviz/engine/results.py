@@ -93,3 +93,35 @@ class Comparison:
 
     def by_method(self, method: str) -> MethodResult:
         return next(r for r in self.results if r.method == method)
+
+    def lines(self) -> list[str]:
+        """The comparison as text: a header, then per method its bytes against full, agreement, time and answer."""
+        out = [f"model {self.model} on {self.device}, prompt {self.prompt_tokens} tokens, "
+               f"prefill {self.prefill_seconds:.2f}s"]
+        for result in self.results:
+            if result.error:
+                out += ["", f"== {result.method}: FAILED: {result.error}"]
+                continue
+            ratio = f"{result.compression:.2f}x smaller" if result.compression else ""
+            agreement = "" if result.agreement_with_full is None else f", agreement {result.agreement_with_full:.2f}"
+            out += ["", f"== {result.method}: kv {result.kv_bytes:,} B vs full {result.kv_bytes_full:,} B {ratio}"
+                        f"{agreement}, {result.seconds:.2f}s"]
+            out += [f"   {line}" for line in (result.native_report.lines() if result.native_report is not None else [])]
+            out.append(result.text)
+        return out
+
+    def to_markdown(self) -> str:
+        """A header line, then one Markdown row per method: bytes, times smaller than full, teacher-forced quality."""
+        rows = [f"model {self.model} on {self.device}, prompt {self.prompt_tokens} tokens", "",
+                "| method | KV bytes | vs full | agreement | mean KL (nats) | first divergence |",
+                "|---|---|---|---|---|---|"]
+        for r in self.results:
+            if r.error:
+                rows.append(f"| `{r.method}` | failed: {r.error} | | | | |")
+                continue
+            agreement = "-" if r.agreement_with_full is None else f"{r.agreement_with_full:.2f}"
+            kl = "-" if r.mean_kl is None else f"{r.mean_kl:.3f}"
+            divergence = "-" if r.first_divergence is None else str(r.first_divergence)
+            rows.append(f"| `{r.method}` | {r.kv_bytes / 2**20:.2f} MiB | {r.compression or 0:.2f}x | {agreement} | "
+                        f"{kl} | {divergence} |")
+        return "\n".join(rows)

@@ -349,6 +349,17 @@ class ReuseReport:
                  "ttft_fresh_s": t.ttft_fresh, "ttft_reused_s": t.ttft_reused,
                  "max_logit_diff": t.max_logit_diff, "same_next_token": t.same_next_token} for t in self.turns]
 
+    def block_tables(self) -> list[list[str]]:
+        """Per turn, each block's status (hit, miss, recomputed, partial)."""
+        return [[b.status for b in t.lookup.blocks] for t in self.turns]
+
+    def lines(self) -> list[str]:
+        """One line per turn: blocks hit, tokens reused, time to first token with and without reuse."""
+        return [f"  {t.label[:48]!r}: {t.prompt_tokens} tokens, {t.lookup.hits}/{len(t.lookup.blocks)} blocks hit "
+                f"({t.lookup.reused_tokens} tokens reused), TTFT {t.ttft_reused * 1000:.0f} ms vs "
+                f"{t.ttft_fresh * 1000:.0f} ms fresh ({t.ttft_reused / t.ttft_fresh:.2f}x), "
+                f"max |logit diff| {t.max_logit_diff:.2e}" for t in self.turns]
+
 
 def run_turns(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] | None = None,
               block_tokens: int = BLOCK_TOKENS, repeats: int = 1, progress=None) -> ReuseReport:

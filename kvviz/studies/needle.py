@@ -106,6 +106,20 @@ class NeedleReport:
         return {"settings": self.settings, "seconds": round(self.seconds, 3), "summary": self.summary(),
                 "cells": [asdict(c) for c in self.cells]}
 
+    def lines(self) -> list[str]:
+        """The grid as text: per method, found/trials by depth (rows) and length (columns); * = key tokens evicted."""
+        rows = {(r["method"], r["length"], r["depth"]): r for r in self.summary()}
+        lengths, depths = self.settings["lengths"], self.settings["depths"]
+        out = [f"needle grid ({self.settings['mode']}, {self.settings['trials']} trial(s)): found/trials; "
+               f"* = the key's tokens were evicted in some trial; {self.seconds:.1f}s"]
+        for method in self.settings["methods"]:
+            out += ["", f"== {method}", "depth \\ length " + "".join(f"{length:>10}" for length in lengths)]
+            for depth in depths:
+                cells = [rows[(method, length, depth)] for length in lengths]
+                marks = [f"{c['found']}/{c['trials']}{'*' if c['survived'] < c['trials'] else ' '}" for c in cells]
+                out.append(f"{depth:<16g}" + "".join(f"{m:>10}" for m in marks))
+        return out
+
 
 def filler_sentences(rng: random.Random) -> Iterator[str]:
     """kvviz's own haystack: an endless stream of bland seeded sentences (shared with :mod:`kvviz.studies.tail`)."""

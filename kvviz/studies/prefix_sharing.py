@@ -69,6 +69,19 @@ class SharingReport:
                  "kept_per_head": r.kept_per_head, "agreement_own": r.agreement_own, "mean_kl_own": r.mean_kl_own,
                  "agreement_shared": r.agreement_shared, "mean_kl_shared": r.mean_kl_shared} for r in self.rows]
 
+    def json_rows(self) -> list[dict]:
+        """:meth:`to_rows` with each row's Jaccard per layer (the CLI's JSON)."""
+        return [row | {"jaccard_per_layer": r.jaccard_per_layer} for row, r in zip(self.to_rows(), self.rows,
+                                                                                     strict=True)]
+
+    def lines(self) -> list[str]:
+        """A header, then per method and mode: Jaccard, shareable or not, and what answering B from A's cache costs."""
+        return ["kept preamble tokens, question A vs B (Jaccard, mean over layers; answering B from A's cache):"] + [
+            f"  {r.method:<44} {r.mode:<15} Jaccard {r.jaccard:.3f} "
+            f"{'shareable' if r.shareable else 'NOT shareable':<13} agreement own {r.agreement_own:.2f} "
+            f"shared {r.agreement_shared:.2f}, KL own {r.mean_kl_own:.4f} shared {r.mean_kl_shared:.4f}"
+            for r in self.rows]
+
 
 def kept_preamble(cache: KVCache, preamble_tokens: int) -> list[list[set[int]]]:
     """Per layer and KV head, the preamble positions a compressed cache holds."""

@@ -107,6 +107,32 @@ class TailReport:
                 "summary": self.summary(), "cells": [asdict(c) for c in self.cells],
                 "items": [asdict(i) for i in self.items]}
 
+    def lines(self) -> list[str]:
+        """The report as text: calibration, accuracy per method and task (* = a failure lost a planted span to
+        eviction), then every failure with what the ledger says it lost."""
+        out = [f"tail tasks ({self.settings['mode']}), {self.seconds:.1f}s; calibration (full right / generated):",
+               "  " + ", ".join(f"{c['task']} {c['kept']}/{c['generated']}"
+                                f"{' instr.' if c['unit'] == 'instructions' else ''}" for c in self.calibration)]
+        rows = self.summary()
+        tasks = list(dict.fromkeys(r["task"] for r in rows))
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        table = {(r["task"], r["method"]): r for r in rows}
+        width = max(len(m) for m in methods) + 2
+        out += ["", "accuracy on kept items (* = some failure lost a planted span to eviction)",
+                f"{'method':<{width}}" + "".join(f"{t:>16}" for t in tasks)]
+        for method in methods:
+            marks = [("-" if row is None else f"{row['accuracy']:.0%} ({row['items']})"
+                      f"{'*' if row['failures_evicted'] else ''}") for row in (table.get((t, method)) for t in tasks)]
+            out.append(f"{method:<{width}}" + "".join(f"{m:>16}" for m in marks))
+        lost = [c for c in self.cells if not c.correct]
+        out += ["", "failures:"] if lost else []
+        for cell in lost:
+            where = "; ".join(f"{f.label} at step {f.evicted_step} in {len(f.evicted_layers)} layers"
+                              for f in cell.spans if f.evicted)
+            out.append(f"  {cell.method} on {cell.item_id}: {cell.cause}{': ' + where if where else ''}; "
+                       f"answer {cell.answer.strip()[:60]!r}")
+        return out
+
 
 def run_tail(
     loaded: LoadedModel,

@@ -8,6 +8,7 @@ three factors (:mod:`kvviz.cache.architecture`). ``python -m kvviz axes`` prints
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 from kvviz.engine.session import compare
 from kvviz.planning.memory import ModelCard
@@ -62,8 +63,21 @@ class AxisRow:
     text: str
     error: str | None = None
 
+    MARKDOWN_HEADER: ClassVar[tuple[str, str]] = (
+        "| SPEC | KV bytes | share of full | heads × tokens × bits | agreement | mean KL | needle |",
+        "|---|---|---|---|---|---|---|")
+
     def to_json(self) -> dict:
         return asdict(self)
+
+    def markdown_row(self) -> str:
+        """This row under :attr:`MARKDOWN_HEADER`: bytes, share of full, the three factors, quality, the needle."""
+        if self.error:
+            return f"| `{self.method}` | failed: {self.error} | | | | | |"
+        quality = "" if self.agreement is None else f"{self.agreement:.0%} | {self.mean_kl:.3f}"
+        return (f"| `{self.method}` | {self.kv_bytes:,} | {self.share_of_full:.3f} | {self.architecture:.3f} × "
+                f"{self.eviction:.3f} × {self.quantization:.3f} | {quality} | "
+                f"{'found' if self.needle_found else 'missed'} |")
 
 
 def run_axes(loaded: LoadedModel, specs: list[str], length: int = 512, depth: float = 0.5,
