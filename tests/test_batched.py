@@ -100,7 +100,7 @@ def test_rows_of_different_lengths_decode_together_in_one_forward_per_step(tiny_
 
     def recording_update(self, *args, **kwargs):
         result = original_update(self, *args, **kwargs)
-        lengths.append(list(self.lengths))
+        lengths.append([part.keys.shape[2] for part in self.parts])
         return result
 
     monkeypatch.setattr(batch, "forward_rows", counting_forward)
@@ -112,9 +112,11 @@ def test_rows_of_different_lengths_decode_together_in_one_forward_per_step(tiny_
     assert len(forwards) == 7, "one forward per step after the first token, for every row at once"
     assert forwards[0] >= len(specs) + 1
     assert all(len(set(step)) >= 4 for step in lengths[:4]), "rows held caches of different lengths side by side"
+    layers = len(lengths) // len(forwards)
+    assert [len(step) for step in lengths] == [n for n in forwards for _ in range(layers)], "each row its own keys"
 
 
-def test_attention_scoring_rows_get_their_own_unpadded_probabilities(tiny_model, story_ids, monkeypatch):
+def test_attention_scoring_rows_get_their_own_probabilities_over_their_own_keys(tiny_model, story_ids, monkeypatch):
     seen = []
     original = H2O.select
 
@@ -126,7 +128,7 @@ def test_attention_scoring_rows_get_their_own_unpadded_probabilities(tiny_model,
     compare(tiny_model, story_ids[:48], ["h2o:heavy=4,recent=4", "window:window=30"], 4, batched=True)
     assert seen
     for width, length, sums in seen:
-        assert width == length, "the padding in front of a shorter row is cut off"
+        assert width == length, "a row attends over its own keys only"
         torch.testing.assert_close(sums, torch.ones_like(sums))
 
 

@@ -163,6 +163,39 @@ def timed(device: str, work: Callable[[], T]) -> tuple[float, T]:
     return time.perf_counter() - started, result
 
 
+@dataclass
+class Spread:
+    """Repeated timings of one variant: the median is the figure, the range says how noisy the machine was."""
+
+    seconds: list[float]
+
+    @property
+    def median(self) -> float:
+        ordered = sorted(self.seconds)
+        middle = len(ordered) // 2
+        return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+    def note(self) -> str:
+        runs = len(self.seconds)
+        return (f"median of {runs} runs, {min(self.seconds):.2f}-{max(self.seconds):.2f} s" if runs > 1
+                else "1 run")
+
+
+def interleaved(device: str, variants: dict[str, Callable[[], T]], repeats: int,
+                log: Log | None = None) -> dict[str, tuple[Spread, T]]:
+    """Each variant ``repeats`` times, in turns (A B A B ...), so a slow spell of a shared machine hits every
+    variant alike; per variant its timings and its last result."""
+    timings: dict[str, list[float]] = {name: [] for name in variants}
+    results: dict[str, T] = {}
+    for _ in range(max(1, repeats)):
+        for name, work in variants.items():
+            seconds, results[name] = timed(device, work)
+            timings[name].append(seconds)
+            if log is not None:
+                log(f"    {name}: {seconds:.2f} s (load {os.getloadavg()[0]:.2f})")
+    return {name: (Spread(timings[name]), results[name]) for name in variants}
+
+
 class PeakMemory:
     """Peak extra memory during a block: CUDA's allocator statistics; on Linux the kernel's peak-RSS counter
     (reset on entry, so nothing runs beside the work); elsewhere RSS sampled every few ms by a thread."""
@@ -294,14 +327,29 @@ def run_bench(loaded: LoadedModel, preset: str = "default", sections: Iterable[s
     started = time.perf_counter()
     for name in (name for name in RUNNERS if name in chosen):
         run.log(f"[{name}]")
-        section_started = time.perf_counter()
+        section_started, load_before = time.perf_counter(), _load_average()
         try:
             section = RUNNERS[name](run)
         except (RuntimeError, ValueError, ImportError, AttributeError, TypeError, KeyError) as error:
             section = Section(name, name, skipped=f"failed: {type(error).__name__}: {error}")
         section.seconds = round(time.perf_counter() - section_started, 2)
+        _add_load(section, load_before, _load_average())
         report.sections.append(section)
         report.seconds = round(time.perf_counter() - started, 2)
         if on_section is not None:
             on_section(report)
     return report
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average, where the system reports one."""
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+
+
+def _add_load(section: Section, before: float | None, after: float | None) -> None:
+    """Say how busy the machine was: timings taken beside other work (a load above 1) are not an idle machine's."""
+    if before is None or after is None or section.skipped:
+        return
+    busy = max(before, after) > 1
+    section.add("load_average", max(before, after), note=f"1-minute load {before:.2f} at the start, {after:.2f} at "
+                f"the end" + ("; above 1: the timings shared the CPU with other work" if busy else ""))

@@ -54,25 +54,29 @@ _listeners: contextvars.ContextVar[tuple[AttentionListener, ...]] = contextvars.
 )
 
 
-class KeyPadding(Protocol):
-    """Rows of a batch whose keys were left-padded to one length (:mod:`kvviz.runtime.batch`): the mask that hides the
-    padding, ``[batch, 1, 1, keys]`` (True = attend), or None when no row is padded in this layer."""
+@dataclass
+class KeyPart:
+    """Batch rows ``rows`` of a forward and the keys they attend over: ``keys``/``values`` [b, H_kv, T, D],
+    ``hidden`` [b, H_kv, T] True on slots attention must skip (padding of heads that keep unequal counts, blocked
+    entries) or None, and ``listener``: the row's own attention listener (a method scoring at decode time) or None."""
 
-    def key_mask(self, layer_idx: int) -> torch.Tensor | None: ...
+    rows: slice
+    keys: torch.Tensor
+    values: torch.Tensor
+    hidden: torch.Tensor | None = None
+    listener: AttentionListener | None = None
 
 
-_padding: contextvars.ContextVar[KeyPadding | None] = contextvars.ContextVar("kvviz_key_padding", default=None)
+class KeySource(Protocol):
+    """What a kvviz cache hands its attention, through the forward's ``key_source`` keyword (transformers passes
+    a model call's extra keywords down to every attention call): per layer, the parts of the batch and their keys.
 
+    A single cache answers one part, the keys transformers passes, with the slots to skip; a batch of caches
+    (:mod:`kvviz.runtime.batch`) answers one part per row, each over its own keys, so no row is padded to another's
+    length and the linear layers still run batched.
+    """
 
-@contextlib.contextmanager
-def padded_keys(padding: KeyPadding):
-    """Mask padded keys in the forwards run inside this block. transformers sizes its mask before the cache's update
-    runs, and eviction inside the update changes each row's length, so the mask comes from the cache instead."""
-    token = _padding.set(padding)
-    try:
-        yield
-    finally:
-        _padding.reset(token)
+    def key_parts(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> list[KeyPart]: ...
 
 
 @contextlib.contextmanager
@@ -83,26 +87,6 @@ def listening(*listeners: AttentionListener):
         yield
     finally:
         _listeners.reset(token)
-
-
-_padded_keys: contextvars.ContextVar[tuple[int, torch.Tensor] | None] = contextvars.ContextVar(
-    "kvviz_padded_keys", default=None
-)
-
-
-def mask_padded_keys(layer_idx: int, padding: torch.Tensor) -> None:
-    """Called by a cache layer right before its attention: ``padding`` [B, H_kv, T] marks slots attention must skip
-    (heads keeping different numbers of entries share one padded tensor). Read once, by the next attention call."""
-    _padded_keys.set((layer_idx, padding))
-
-
-def take_padded_keys(layer_idx: int) -> torch.Tensor | None:
-    """The padding a cache layer marked for this layer's attention (see :func:`mask_padded_keys`), read once."""
-    padded = _padded_keys.get()
-    if padded is None:
-        return None
-    _padded_keys.set(None)
-    return padded[1] if padded[0] == layer_idx else None
 
 
 def _with_padding_mask(attention_mask: torch.Tensor | None, padding: torch.Tensor, q_heads: int,
@@ -211,23 +195,40 @@ def _sdpa_with_sink_mass(module, query, key, value, attention_mask, scaling, dro
     return output[..., :dim].contiguous(), output[..., dim].transpose(1, 2)
 
 
-def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The registered attention function: SDPA when nobody listens, explicit blocks otherwise.
+def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                    key_source: KeySource | None = None, **kwargs):
+    """The registered attention function: SDPA when nobody listens, explicit blocks otherwise; with a
+    ``key_source`` (a kvviz cache passed with the model call), each part of the batch over its own keys.
 
     ``dropout`` comes sixth: importing kvpress wraps every registered attention function and passes it positionally.
     """
     layer_idx = getattr(module, "layer_idx", 0)
-    padding = _padding.get()
-    if padding is not None:  # one query per row: the only mask needed is the key padding (per head where needed)
-        attention_mask = padding.key_mask(layer_idx)
-        if attention_mask is not None and attention_mask.shape[1] not in (1, query.shape[1]):
-            attention_mask = attention_mask.repeat_interleave(query.shape[1] // attention_mask.shape[1], dim=1)
-    else:
-        padded = take_padded_keys(layer_idx)
-        if padded is not None and padded.shape[-1] == key.shape[2]:
-            attention_mask = _with_padding_mask(attention_mask, padded.to(key.device), query.shape[1],
-                                                query.shape[2])
     listeners = [listener for listener in _listeners.get() if listener.wants(layer_idx)]
+    if key_source is None:
+        return _attend(module, query, key, value, attention_mask, scaling, dropout, listeners, **kwargs)
+    parts = key_source.key_parts(layer_idx, key, value)
+    if len(parts) == 1 and parts[0].rows == slice(None):  # one cache: transformers' mask, plus the skipped slots
+        part = parts[0]
+        if part.hidden is not None and part.hidden.shape[-1] == part.keys.shape[2]:
+            attention_mask = _with_padding_mask(attention_mask, part.hidden.to(key.device), query.shape[1],
+                                                query.shape[2])
+        own = [part.listener] if part.listener is not None else []
+        return _attend(module, query, part.keys, part.values, attention_mask, scaling, dropout, listeners + own,
+                       **kwargs)
+    outputs = []
+    for part in parts:  # rows of one query each: a row sees all its keys, so only skipped slots need a mask
+        rows = query[part.rows]
+        mask = None if part.hidden is None else _with_padding_mask(None, part.hidden.to(key.device), rows.shape[1],
+                                                                   rows.shape[2])
+        own = [part.listener] if part.listener is not None else []
+        outputs.append(_attend(module, rows, part.keys, part.values, mask, scaling, dropout, own, **kwargs)[0])
+    return torch.cat(outputs), None
+
+
+def _attend(module, query, key, value, attention_mask, scaling, dropout, listeners: list[AttentionListener],
+            **kwargs):
+    """Attention of ``query`` over ``key``/``value``: SDPA when nobody listens, else explicit where listened."""
+    layer_idx = getattr(module, "layer_idx", 0)
     if not listeners:
         return _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if scaling is None:

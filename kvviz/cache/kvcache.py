@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvviz.cache.capture import mask_padded_keys
+from kvviz.cache.capture import KeyPart
 from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.protect import with_protected
 from kvviz.cache.protocol import EvictionMethod, LayerView
@@ -76,11 +76,14 @@ class KVLayer(FirstUpdateLayer):
             self.apply_keep(self.eviction.select(self.view()), rotary_end=self.owner.step_rotary_end)
         if self.blocked is not None:
             self.blocked = torch.cat([self.blocked, self.blocked.new_zeros(batch, heads, new)], -1)
-        hidden = self.padding if self.blocked is None else (
-            self.blocked if self.padding is None else self.padding | self.blocked)
-        if hidden is not None:
-            mask_padded_keys(self.layer_idx, hidden)  # this forward's attention skips padding and blocked slots
         return self.storage.materialize()
+
+    @property
+    def hidden(self) -> torch.Tensor | None:
+        """[B, H_kv, T] True on the slots attention skips (padding and blocked entries), or None when none are."""
+        if self.blocked is None:
+            return self.padding
+        return self.blocked if self.padding is None else self.padding | self.blocked
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
         return len(self.storage) + cache_position.shape[0], 0
@@ -282,6 +285,17 @@ class KVCache(Cache):
         stored = self.get_seq_length()
         cache_position = torch.arange(stored, stored + absolute.numel())
         return self.step_rotary.unsqueeze(0), cache_position
+
+    # -- what attention reads: passed with the model call as ``key_source`` (kvviz.cache.capture.KeySource) -------
+    def key_parts(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> list[KeyPart]:
+        """The whole batch over the keys just returned by this layer's update, skipping its hidden slots; the
+        cache listens to its own attention when its method scores at decode time."""
+        return [KeyPart(slice(None), keys, values, self.layers[layer_idx].hidden,
+                        self if self.wants(layer_idx) else None)]
+
+    def forward_inputs(self) -> dict[str, Any]:
+        """The keywords a model call through this cache adds: the cache itself as its attention's key source."""
+        return {"past_key_values": self, "key_source": self}
 
     # -- attention listener: methods that score entries by the current query's attention -------------------------
     def wants(self, layer_idx: int) -> bool:

@@ -30,6 +30,9 @@ class StorageBytes:
         )
 
 
+GROWTH_TOKENS = 64  # room a dense storage leaves after its entries when it copies them (at least; see DenseStorage)
+
+
 def tensor_bytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -157,6 +160,9 @@ class DenseStorage(KVStorage):
 
     Appends wait in ``pending`` until something reads the entries, so a positional eviction that follows an append
     (a sliding window dropping its oldest token) builds the kept cache in one copy, not a concatenation plus a gather.
+    Once the storage has copied its entries it holds them at the start of buffers with room for more, and appends
+    write there in place: a ``full`` cache decoding does not copy its whole length every step. ``keys`` and
+    ``values`` are views of the held entries, so ``nbytes`` counts those, not the room.
     """
 
     per_entry_bytes = True
@@ -166,17 +172,25 @@ class DenseStorage(KVStorage):
         self.values: torch.Tensor | None = None
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.owned = False  # True once ``keys`` is a tensor this storage made (safe to write in place)
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None  # buffers ``keys``/``values`` are the start of
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.keys is None:
             self.keys, self.values = keys, values
+            return
+        length, new = self.keys.shape[2], keys.shape[2]
+        if self._room is not None and not self.pending and length + new <= self._room[0].shape[2]:
+            room_keys, room_values = self._room  # decoding into a buffer with room: no copy of what is held
+            room_keys[:, :, length:length + new].copy_(keys)
+            room_values[:, :, length:length + new].copy_(values)
+            self.keys, self.values = room_keys[:, :, :length + new], room_values[:, :, :length + new]
         else:
             self.pending.append((keys, values))
 
     def keep(self, index: torch.Tensor) -> None:
         keys, values = self.materialize()
         self.keys, self.values = gather_tokens(keys, index), gather_tokens(values, index)
-        self.owned = True
+        self.owned, self._room = True, None
 
     def keep_ranges(self, kept: KeptRanges) -> None:
         self._keep_spans(kept.spans)
@@ -192,7 +206,16 @@ class DenseStorage(KVStorage):
                     key_pieces.append(keys[:, :, low - offset:high - offset])
                     value_pieces.append(values[:, :, low - offset:high - offset])
                 offset += keys.shape[2]
-        self.keys, self.values = torch.cat(key_pieces, dim=2), torch.cat(value_pieces, dim=2)
+        kept = sum(piece.shape[2] for piece in key_pieces)
+        room = kept + max(GROWTH_TOKENS, kept // 16)  # the next appends write in place (see append)
+        self._room = (self.keys.new_empty(*self.keys.shape[:2], room, self.keys.shape[3]),
+                      self.values.new_empty(*self.values.shape[:2], room, self.values.shape[3]))
+        written = 0
+        for key_piece, value_piece in zip(key_pieces, value_pieces, strict=True):
+            self._room[0][:, :, written:written + key_piece.shape[2]].copy_(key_piece)
+            self._room[1][:, :, written:written + key_piece.shape[2]].copy_(value_piece)
+            written += key_piece.shape[2]
+        self.keys, self.values = self._room[0][:, :, :kept], self._room[1][:, :, :kept]
         self.pending = []
         self.owned = True
 
@@ -202,7 +225,7 @@ class DenseStorage(KVStorage):
         if self.owned:
             stored.index_copy_(2, index, keys)
         else:  # the tensor may be shared (a forked prefill): write into a copy
-            self.keys, self.owned = stored.index_copy(2, index, keys), True
+            self.keys, self.owned, self._room = stored.index_copy(2, index, keys), True, None
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pending:

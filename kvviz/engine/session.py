@@ -1,8 +1,8 @@
 """One prompt, many methods: prefill once (with attention statistics when asked), then fork a cache per method.
 
-A comparison of N methods costs one prefill plus N decodes, batched into one on an accelerator
-(:mod:`kvviz.runtime.batch`). Prefill-time selection (SnapKV, H2O's initial scores) reads the shared statistics,
-so forking is exactly what an independent run of that method would do.
+A comparison of N methods costs one prefill plus N decodes, batched into one (:mod:`kvviz.runtime.batch`).
+Prefill-time selection (SnapKV, H2O's initial scores) reads the shared statistics, so forking is exactly what an
+independent run of that method would do.
 """
 
 from __future__ import annotations
@@ -197,7 +197,7 @@ def compare(
     max_new_tokens: int = 64,
     sampling: Sampling | None = None,
     progress: Progress | None = None,
-    batched: bool | None = None,
+    batched: bool = True,
     reuse_prefix: bool = True,
 ) -> Comparison:
     """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
@@ -207,14 +207,11 @@ def compare(
     teacher-forced decode: it would feed the method exactly the inputs it already saw. A method that fails is reported
     with its error while the others still complete.
 
-    ``batched``: one prefill, then every method decodes in one batch, one forward per step for all of them
-    (:mod:`kvviz.runtime.batch`); a method's teacher-forced twin joins at the step it first parts from full, and each
-    result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False`` decodes the methods one
-    after another after the same prefill. The default (None) batches on an accelerator and not on a CPU, as measured
-    with ``kvviz bench --sections batched_compare`` (six configurations, 2K prompt, 32 tokens): 0.36x the sequential
-    time on an H200, slower than sequential on the 2-core CPU, where every row pays attention over the longest
-    row's padded keys and an H2O row turns the whole batch's attention explicit. Both paths give the same tokens,
-    ledgers and bytes (tests/test_batched.py); it gives the same tokens, ledgers and bytes. ``reuse_prefix``: the
+    ``batched`` (the default, on every device): one prefill, then every method decodes in one batch, one forward per
+    step for all of them (:mod:`kvviz.runtime.batch`); a method's teacher-forced twin joins at the step it first parts
+    from full, and each result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False``
+    decodes the methods one after another after the same prefill: the baseline the tests and the bench compare
+    against. Both give the same tokens, ledgers and bytes (tests/test_batched.py). ``reuse_prefix``: the
     prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
     re-runs only the tail; see :mod:`kvviz.runtime.prefix`).
     """
@@ -226,8 +223,6 @@ def compare(
         session = PromptSession(loaded, prompt_ids, reuse_prefix)
         prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
         quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
-        if batched is None:
-            batched = not str(loaded.device).startswith("cpu")
         decode_all = _compare_batched if batched else _compare_sequential
         results = decode_all(session, stacks, max_new_tokens, sampling, progress)
     return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,

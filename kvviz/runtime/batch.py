@@ -1,15 +1,17 @@
-"""Many caches, one forward: the configurations of a comparison decode together, one model call per step.
+"""Many caches, one forward: the configurations of a comparison (and the runs of different users) decode together.
 
 Each row is an ordinary :class:`~kvviz.cache.kvcache.KVCache` (its own method stack, storage, kept entries, rotary
 positions and ledger) doing exactly what it does alone. :class:`BatchCache` is the transformers ``Cache`` the model sees
-for a forward over N rows of one token each: each layer's ``update`` splits the new K/V by row, lets that row's
-``KVLayer.update`` append and evict as it would alone, and left-pads the rows' K/V to one length. transformers sizes
-its mask before the update runs (and eviction inside the update changes each row's length), so kvviz's attention
-function masks the padding itself (:func:`kvviz.cache.capture.padded_keys`), from the lengths each row reported. Rows
-whose method scores attention at decode time (H2O, TOVA) receive their own row's probabilities with the padding cut off.
+for a forward over N rows of one token each: each layer's ``update`` splits the new K/V by row and lets that row's
+``KVLayer.update`` append and evict as it would alone. Nothing is padded: the batch is passed with the model call as
+its attention's key source (:class:`kvviz.cache.capture.KeySource`), so the linear layers run over all rows at once and
+attention runs per row over that row's own keys (a row whose method scores attention at decode time, H2O or TOVA,
+gets its own probabilities; the others stay on SDPA).
 
 A row that fails inside its own update or selection is reported and leaves the batch; the others go on, because
-nothing of one row mixes with another's (the linear layers work row by row, attention is masked per row).
+nothing of one row mixes with another's. :class:`DecodeGroup` is one run's rows (a comparison's configurations and
+their teacher-forced twins); :func:`step_groups` feeds any number of groups in one forward, which is how
+:mod:`kvviz.runtime.together` lets runs of different users decode together.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from kvviz.cache.capture import listening, padded_keys, take_padded_keys
+from kvviz.cache.capture import KeyPart
 from kvviz.cache.kvcache import FirstUpdateLayer, KVCache
 from kvviz.cache.spec import MethodStack, SpecError
 from kvviz.runtime.faults import is_out_of_memory
@@ -46,6 +48,7 @@ class Row:
     follows: Row | None = None
     trace: DecodeTrace = field(default_factory=DecodeTrace)
     position: int = 0  # absolute position of the next token fed
+    step: int = 0  # the decode step of the token fed next
     generator: torch.Generator | None = None
     done: bool = False
     error: BaseException | None = None
@@ -57,8 +60,27 @@ class Row:
         return self.stack.label
 
 
+@dataclass
+class RowListener:
+    """A row's cache listening to its own attention inside a batch; a selection that fails fails only that row."""
+
+    batch: BatchCache
+    index: int
+
+    def wants(self, layer_idx: int) -> bool:
+        return self.index not in self.batch.failures
+
+    def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
+        if self.index in self.batch.failures:
+            return
+        try:
+            self.batch.rows[self.index].observe(layer_idx, probs, query_start, query_total)
+        except ROW_ERRORS as error:
+            self.batch.failures[self.index] = error
+
+
 class BatchLayer(FirstUpdateLayer):
-    """One decoder layer across the rows: each row's own layer does the work; this one pads and stacks."""
+    """One decoder layer across the rows: each row's own layer does the work; this one keeps what each returned."""
 
     is_sliding = False
 
@@ -66,46 +88,30 @@ class BatchLayer(FirstUpdateLayer):
         super().__init__()
         self.batch = batch
         self.layer_idx = layer_idx
-        self.lengths: list[int] = []  # each row's key count in the forward under way
-        self.mask: torch.Tensor | None = None  # [N, 1, 1, L], True on real keys; None when no row is padded
-
+        self.parts: list[KeyPart] = []  # each row's keys in the forward under way
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
+        """Let every row store its new entry; what attention reads comes from :meth:`BatchCache.key_parts`, so the
+        new K/V are returned as they came (no row is stacked or padded to another's length)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys, values, head_padding = [], [], []
+        self.parts = []
         for index, row in enumerate(self.batch.rows):
-            new_keys, new_values = key_states[index:index + 1], value_states[index:index + 1]
+            rows = slice(index, index + 1)
+            keys, values, hidden, listener = key_states[rows], value_states[rows], None, None
             if index not in self.batch.failures:
+                layer = row.layers[self.layer_idx]
                 try:
-                    new_keys, new_values = row.layers[self.layer_idx].update(new_keys, new_values, cache_kwargs)
-                except ROW_ERRORS as error:  # the row leaves after this forward; its new entries stand in
+                    keys, values = layer.update(keys, values, cache_kwargs)
+                    hidden = layer.hidden
+                    listener = RowListener(self.batch, index) if row.wants(self.layer_idx) else None
+                except ROW_ERRORS as error:  # the row leaves after this forward; its new entry stands in
                     self.batch.failures[index] = error
-            keys.append(new_keys)
-            values.append(new_values)
-            head_padding.append(take_padded_keys(self.layer_idx))  # a row whose heads keep unequal counts (adakv)
-        self.lengths = [k.shape[2] for k in keys]
-        longest = max(self.lengths)
-        if min(self.lengths) == longest and all(p is None for p in head_padding):
-            self.mask = None
-            return torch.cat(keys), torch.cat(values)
-        # keys and values may differ in width (DeepSeek's MLA: 24-channel keys with decoupled RoPE, 16-channel values)
-        padded_keys_ = key_states.new_zeros(len(keys), keys[0].shape[1], longest, keys[0].shape[3])
-        padded_values = value_states.new_zeros(len(values), values[0].shape[1], longest, values[0].shape[3])
-        for index, (k, v) in enumerate(zip(keys, values, strict=True)):
-            padded_keys_[index, :, longest - k.shape[2]:] = k[0]
-            padded_values[index, :, longest - v.shape[2]:] = v[0]
-        starts = torch.tensor([longest - n for n in self.lengths], device=key_states.device)
-        self.mask = (torch.arange(longest, device=key_states.device) >= starts[:, None]).view(len(keys), 1, 1, longest)
-        if any(p is not None for p in head_padding):  # per KV head: [N, H_kv, 1, L]
-            self.mask = self.mask.expand(-1, keys[0].shape[1], -1, -1).clone()
-            for index, padding in enumerate(head_padding):
-                if padding is not None:
-                    self.mask[index, :, 0, longest - padding.shape[-1]:] &= ~padding[0].to(self.mask.device)
-        return padded_keys_, padded_values
+            self.parts.append(KeyPart(rows, keys, values, hidden, listener))
+        return key_states, value_states
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return max(row.layers[self.layer_idx].get_seq_length() for row in self.batch.rows) + 1, 0
+        return self.get_seq_length() + 1, 0
 
     def get_seq_length(self) -> int:
         return max(row.layers[self.layer_idx].get_seq_length() for row in self.batch.rows)
@@ -115,41 +121,25 @@ class BatchLayer(FirstUpdateLayer):
 
 
 class BatchCache(Cache):
-    """The rows' caches as one transformers Cache for a forward of one token per row.
-
-    It is also the padding source for kvviz's attention (:meth:`key_mask`) and the attention listener of the rows
-    whose method scores attention at decode time (each gets its own row of probabilities, unpadded).
-    """
+    """The rows' caches as one transformers Cache for a forward of one token per row, and the key source of
+    kvviz's attention for that forward (each row attends over its own keys)."""
 
     def __init__(self, rows: list[KVCache]):
         self.rows = rows
         self.failures: dict[int, BaseException] = {}
         super().__init__(layers=[BatchLayer(self, i) for i in range(len(rows[0].layers))])
 
-    def key_mask(self, layer_idx: int) -> torch.Tensor | None:
-        return self.layers[layer_idx].mask
-
-    def wants(self, layer_idx: int) -> bool:
-        return any(row.wants(layer_idx) for i, row in enumerate(self.rows) if i not in self.failures)
-
-    def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
-        lengths, width = self.layers[layer_idx].lengths, probs.shape[-1]
-        for index, row in enumerate(self.rows):
-            if index in self.failures or not row.wants(layer_idx):
-                continue
-            try:
-                row.observe(layer_idx, probs[index:index + 1, ..., width - lengths[index]:], query_start, query_total)
-            except ROW_ERRORS as error:
-                self.failures[index] = error
+    def key_parts(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> list[KeyPart]:
+        return self.layers[layer_idx].parts
 
 
 def forward_rows(model: torch.nn.Module, caches: list[KVCache], tokens: list[int], positions: list[int],
-                 step: int, device: str) -> tuple[torch.Tensor, dict[int, BaseException]]:
-    """Feed decode step ``step``'s token to every row (row i's ``tokens[i]`` at absolute position ``positions[i]``);
-    return the next-token logits [N, vocab] and the rows that failed (their logits are meaningless)."""
+                 steps: list[int], device: str) -> tuple[torch.Tensor, dict[int, BaseException]]:
+    """Feed every row its token (row i's ``tokens[i]`` at absolute position ``positions[i]``, decode step
+    ``steps[i]``); return the next-token logits [N, vocab] and the rows that failed (their logits are meaningless)."""
     batch = BatchCache(caches)
     rotary = []
-    for index, (cache, position) in enumerate(zip(caches, positions, strict=True)):
+    for index, (cache, position, step) in enumerate(zip(caches, positions, steps, strict=True)):
         try:
             position_ids, _ = cache.begin_forward(torch.tensor([position]), step)
         except ROW_ERRORS as error:
@@ -157,15 +147,15 @@ def forward_rows(model: torch.nn.Module, caches: list[KVCache], tokens: list[int
             position_ids = torch.tensor([[position]])
         rotary.append(position_ids)
     stored = max(cache.get_seq_length() for cache in caches)
-    with listening(batch), padded_keys(batch):
-        output = model(
-            input_ids=torch.tensor([[t] for t in tokens], device=device),
-            past_key_values=batch,
-            position_ids=torch.cat(rotary).to(device),
-            cache_position=torch.tensor([stored], device=device),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    output = model(
+        input_ids=torch.tensor([[t] for t in tokens], device=device),
+        past_key_values=batch,
+        key_source=batch,
+        position_ids=torch.cat(rotary).to(device),
+        cache_position=torch.tensor([stored], device=device),
+        use_cache=True,
+        logits_to_keep=1,
+    )
     return output.logits[:, -1], batch.failures
 
 
@@ -179,60 +169,72 @@ def _copy_cache(cache: KVCache) -> KVCache:
     return twin
 
 
-def decode_together(
-    model: torch.nn.Module,
-    rows: list[Row],
-    max_new_tokens: int,
-    device: str,
-    eos_ids: set[int],
-    sampling: Sampling | None = None,
-    keep_logprobs: bool = False,
-    progress: Progress | None = None,
-    reference: Row | None = None,
-) -> list[Row]:
-    """Decode every row together (one forward per step for all of them); rows leave as they stop or fail.
+class DecodeGroup:
+    """One run's rows decoding together: what :func:`kvviz.runtime.replay.decode` does alone, for every row.
 
-    Each row does what :func:`kvviz.runtime.replay.decode` does alone: same tokens (greedy, or each row its own seeded
-    sampler), same per-step bytes, same ledger. With a ``reference`` (full), a free-running row that first chooses a
-    different token gets a teacher-forced twin, fed the reference's tokens from then on: until that step the row saw
-    exactly the reference's inputs, so a copy of its cache made before the step's token is fed holds what a
-    teacher-forced run from the start would hold, and the twin inherits the row's log-probabilities so far. Returns
-    the rows followed by the twins.
+    Same tokens (greedy, or each row its own seeded sampler), same per-step bytes, same ledger. With a ``reference``
+    (full), a free-running row that first chooses a different token gets a teacher-forced twin, fed the reference's
+    tokens from then on: until that step the row saw exactly the reference's inputs, so a copy of its cache made
+    before the step's token is fed holds what a teacher-forced run from the start would hold, and the twin inherits
+    the row's log-probabilities so far. A step is :meth:`choose` (tokens, twins, progress), one forward shared with
+    other groups (:func:`step_groups`), then :meth:`fed`. ``error`` set by a step fails this group only.
     """
-    sampling = sampling or Sampling()
-    for row in rows:
-        if row.cache is None:
-            continue
-        row.position = row.cache.prompt_length
-        row.generator = torch.Generator().manual_seed(sampling.seed) if sampling.temperature > 0 else None
-        row.trace.kv_bytes_per_step.append(row.cache.nbytes().total)  # step 0: after prefill compression
-    everyone = list(rows)
-    active = [row for row in rows if row.cache is not None and row.error is None]
-    with torch.inference_mode():
-        for step in range(1, max_new_tokens + 1):
-            for row in active:  # a leader comes before its followers, so they read this step's token
-                if keep_logprobs:
-                    row.trace.step_logprobs.append(torch.log_softmax(row.logits.float(), dim=-1).cpu())
-                leader = row.follows
-                token = leader.trace.token_ids[-1] if leader is not None else sampling.choose(row.logits, row.generator)
-                row.trace.token_ids.append(token)
-                row.done = leader.done if leader is not None else step == max_new_tokens or token in eos_ids
-            if reference is not None and reference.error is None:
-                twins = [_twin(row, reference) for row in active
-                         if row is not reference and row.follows is None and row.twin is None
-                         and row.trace.token_ids[-1] != reference.trace.token_ids[-1]]
-                everyone += twins
-                active += [twin for twin in twins if not twin.done]
-            feeding = [row for row in active if not row.done]
-            if progress is not None:
-                progress(step / max_new_tokens, f"token {step}/{max_new_tokens}, {len(feeding)} rows together")
-            if not feeding:
-                break
-            _feed(model, feeding, step, device)
-            active = [row for row in feeding if row.error is None]
-            if reference is not None and reference.error is not None:  # twins follow full: they cannot go on
-                active = [row for row in active if row.follows is None]
-    return everyone
+
+    def __init__(self, rows: list[Row], max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
+                 keep_logprobs: bool = False, progress: Progress | None = None, reference: Row | None = None):
+        self.sampling = sampling or Sampling()
+        self.max_new_tokens, self.eos_ids, self.keep_logprobs = max_new_tokens, eos_ids, keep_logprobs
+        self.progress, self.reference = progress, reference
+        for row in rows:
+            if row.cache is None:
+                continue
+            row.position = row.cache.prompt_length
+            row.generator = (torch.Generator().manual_seed(self.sampling.seed) if self.sampling.temperature > 0
+                             else None)
+            row.trace.kv_bytes_per_step.append(row.cache.nbytes().total)  # step 0: after prefill compression
+        self.everyone = list(rows)  # the rows, then the twins as they join
+        self.active = [row for row in rows if row.cache is not None and row.error is None]
+        self.feeding: list[Row] = []
+        self.step = 0
+        self.error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.step > 0 and not self.feeding)
+
+    def choose(self) -> list[Row]:
+        """Choose every active row's next token; return the rows to feed it (none: the group is done)."""
+        self.step += 1
+        step, reference = self.step, self.reference
+        for row in self.active:  # a leader comes before its followers, so they read this step's token
+            if self.keep_logprobs:
+                row.trace.step_logprobs.append(torch.log_softmax(row.logits.float(), dim=-1).cpu())
+            leader = row.follows
+            token = leader.trace.token_ids[-1] if leader is not None else self.sampling.choose(row.logits,
+                                                                                                 row.generator)
+            row.trace.token_ids.append(token)
+            row.done = leader.done if leader is not None else step == self.max_new_tokens or token in self.eos_ids
+        if reference is not None and reference.error is None:
+            twins = [_twin(row, reference) for row in self.active
+                     if row is not reference and row.follows is None and row.twin is None
+                     and row.trace.token_ids[-1] != reference.trace.token_ids[-1]]
+            self.everyone += twins
+            self.active += [twin for twin in twins if not twin.done]
+        self.feeding = [row for row in self.active if not row.done]
+        for row in self.feeding:
+            row.step = step
+        if self.progress is not None:
+            self.progress(min(1.0, step / self.max_new_tokens),
+                          f"token {step}/{self.max_new_tokens}, {len(self.feeding)} rows together")
+        return self.feeding
+
+    def fed(self) -> None:
+        """After the forward: failed rows left; twins cannot go on once the reference they follow failed."""
+        self.active = [row for row in self.feeding if row.error is None]
+        if self.reference is not None and self.reference.error is not None:
+            self.active = [row for row in self.active if row.follows is None]
+        if not self.active:
+            self.feeding = []
 
 
 def _twin(row: Row, reference: Row) -> Row:
@@ -246,12 +248,42 @@ def _twin(row: Row, reference: Row) -> Row:
     return twin
 
 
-def _feed(model: torch.nn.Module, rows: list[Row], step: int, device: str) -> None:
-    """One forward for ``rows``, each fed the token it chose at ``step``; failed rows are marked and leave."""
+def step_groups(model: torch.nn.Module, groups: list[DecodeGroup], device: str) -> None:
+    """One decode step of every group in one forward. A group whose step fails (its progress report raised, as a
+    cancelled run's does) gets ``error`` and feeds nothing; the others go on."""
+    feeding: list[Row] = []
+    for group in groups:
+        try:
+            feeding += group.choose()
+        except Exception as error:  # noqa: BLE001 - whatever stops one run must not stop the others
+            group.error, group.feeding = error, []
+    with torch.inference_mode():
+        _feed(model, feeding, device)
+    for group in groups:
+        if group.error is None:
+            group.fed()
+
+
+def decode_together(model: torch.nn.Module, rows: list[Row], max_new_tokens: int, device: str, eos_ids: set[int],
+                    sampling: Sampling | None = None, keep_logprobs: bool = False, progress: Progress | None = None,
+                    reference: Row | None = None) -> list[Row]:
+    """Decode one group of rows alone (see :class:`DecodeGroup`); returns the rows followed by the twins."""
+    group = DecodeGroup(rows, max_new_tokens, eos_ids, sampling, keep_logprobs, progress, reference)
+    while not group.finished:
+        step_groups(model, [group], device)
+    if group.error is not None:
+        raise group.error
+    return group.everyone
+
+
+def _feed(model: torch.nn.Module, rows: list[Row], device: str) -> None:
+    """One forward for ``rows``, each fed the token it chose; failed rows are marked and leave."""
+    if not rows:
+        return
     started = time.perf_counter()
     try:
         logits, failures = forward_rows(model, [row.cache for row in rows], [row.trace.token_ids[-1] for row in rows],
-                                        [row.position for row in rows], step, device)
+                                        [row.position for row in rows], [row.step for row in rows], device)
     except ROW_ERRORS as error:
         if is_out_of_memory(error):
             raise

@@ -7,13 +7,11 @@ step's attention. The ``full`` policy reproduces ``model.generate`` greedy outpu
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from kvviz.cache.capture import listening
 from kvviz.cache.kvcache import KVCache
 
 Progress = Callable[[float, str], None]
@@ -54,7 +52,7 @@ def forward_step(model: torch.nn.Module, cache: KVCache, token_ids: list[int], f
     position_ids, cache_position = cache.begin_forward(absolute, step)
     output = model(
         input_ids=torch.tensor([token_ids], device=device),
-        past_key_values=cache,
+        **cache.forward_inputs(),
         position_ids=position_ids.to(device),
         cache_position=cache_position.to(device),
         use_cache=True,
@@ -90,11 +88,9 @@ def decode(
     logits = first_logits
     position = cache.prompt_length
     limit = len(forced_tokens) if forced_tokens is not None else max_new_tokens
-    listen = listening(cache) if cache.stack.eviction is not None and cache.stack.eviction.scores_attention else (
-        contextlib.nullcontext())
     trace.kv_bytes_per_step.append(cache.nbytes().total)  # step 0: after prefill compression
     suffix = suffix_tokens or []
-    with torch.inference_mode(), listen:
+    with torch.inference_mode():
         for fed, token in enumerate(suffix, start=1):
             logits = forward_step(model, cache, [token], position, fed, device)
             position += 1

@@ -8,7 +8,6 @@ chunks, because chunked causal attention over an untouched cache is the same com
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import time
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from kvviz.cache.capture import listening
 from kvviz.cache.kvcache import KVCache
 from kvviz.engine.session import PromptSession, check_context
 from kvviz.methods import REGISTRY, SpecError, parse_spec
@@ -89,10 +87,9 @@ def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) ->
     except SpecError as error:
         raise SpecError(f"{stack.label} cannot stream a text token by token: {error}") from None
     logits = session.prefill().last_logits
-    scoring = stack.eviction is not None and stack.eviction.scores_attention
     losses = torch.empty(len(token_ids) - 1)
     total = len(token_ids) - 1
-    with torch.inference_mode(), listening(cache) if scoring else contextlib.nullcontext():
+    with torch.inference_mode():  # forward_step passes the cache as its attention's key source (and listener)
         for position in range(1, len(token_ids)):
             losses[position - 1] = -torch.log_softmax(logits.float(), dim=-1)[token_ids[position]].cpu()
             if position < total:
