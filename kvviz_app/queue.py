@@ -1,7 +1,8 @@
 """Runs through the server's shared queue and the result store, with a progress bar and a Cancel button.
 
 A page names a request (:mod:`kvviz.runs`); it comes from this server's memory, else the result store, else it
-runs in the shared queue (one run at a time, round-robin across users) and is stored."""
+runs in the shared queue (round-robin across users, up to ``RUNS_TOGETHER`` runs at once whose comparisons decode in one
+batch) and is stored."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvviz.engine.results import Comparison
 from kvviz.runs import AttentionRequest, CompareRequest, ResultStore, RunRequest
 from kvviz.runtime.faults import describe_error
 from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.together import RUNS_TOGETHER
 from kvviz_app.runqueue import DONE, RunQueue, Ticket
 
 T = TypeVar("T")
@@ -31,8 +33,8 @@ class RunFailed(Exception):
 
 @st.cache_resource(show_spinner=False)
 def run_queue() -> RunQueue:
-    """One queue per server: runs on the model go one at a time, round-robin across users."""
-    return RunQueue(abandon_after=30.0, format_error=describe_error)
+    """One queue per server: runs on the model start round-robin across users and decode together."""
+    return RunQueue(abandon_after=30.0, format_error=describe_error, together=RUNS_TOGETHER)
 
 
 _active: dict[str, Ticket] = {}  # browser session id -> its run in the queue (for the Cancel button)

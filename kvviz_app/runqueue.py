@@ -1,10 +1,13 @@
 """A fair run queue for many users sharing one model on one device.
 
-Page loads and cached results never touch it; only runs that need the model do. One worker thread executes runs
-one at a time. Order is round-robin across users (each user's runs FIFO), so a student who queues five comparisons
-does not starve the others. Users see their position, can cancel (queued runs leave at once, a running one stops at
-its next progress report), and a run whose page stopped polling (the browser went away) is dropped, queued or
-running.
+Page loads and cached results never touch it; only runs that need the model do. ``together`` worker threads run up
+to that many runs at once, at most one per user: comparisons among them decode in one running batch, one forward
+per step for all their rows (the engine's :mod:`kvviz.runtime.together`; the queue only admits runs, the engine batches
+them), while other runs on the model take its lock in turn. Order is round-robin across users (each user's runs
+FIFO), so a student who queues five comparisons does not starve the others, and nobody waits behind more than one
+run of each other user. Users see their position, can cancel (queued runs leave at once, a running one stops at
+its next progress report, which in a batch is its next decode step), and a run whose page stopped polling (the
+browser went away) is dropped, queued or running.
 """
 
 from __future__ import annotations
@@ -66,19 +69,22 @@ class Ticket:
 
 
 class RunQueue:
-    """Round-robin queue with one worker; ``abandon_after`` seconds without ``touch`` drops a queued run."""
+    """Round-robin queue with ``together`` workers (runs at once, one per user); ``abandon_after`` seconds without
+    ``touch`` drops a run."""
 
     def __init__(self, abandon_after: float = 30.0, format_error: ErrorFormatter | None = None,
-                 history: int = 1000):
+                 history: int = 1000, together: int = 1):
         self.abandon_after = abandon_after
         self.history: deque[Ticket] = deque(maxlen=history)  # finished runs, oldest first: waits and fairness
         self.format_error = format_error or (lambda error: f"{type(error).__name__}: {error}")
         self._lock = threading.Condition()
         self._per_user: OrderedDict[str, deque[Ticket]] = OrderedDict()
         self._numbers = itertools.count(1)
-        self._running: Ticket | None = None
-        self._worker = threading.Thread(target=self._work, name="kvviz-run-queue", daemon=True)
-        self._worker.start()
+        self._running: list[Ticket] = []
+        self._workers = [threading.Thread(target=self._work, name=f"kvviz-run-queue-{i}", daemon=True)
+                         for i in range(max(1, together))]
+        for worker in self._workers:
+            worker.start()
 
     def submit(self, user: str, job: Job) -> Ticket:
         ticket = Ticket(user=user, job=job, number=next(self._numbers))
@@ -94,14 +100,12 @@ class RunQueue:
             return order.index(ticket) + 1 if ticket.status == QUEUED and ticket in order else 0
 
     def ahead(self, ticket: Ticket) -> int:
-        """Runs that will finish before this one starts: the one running now plus the queued runs before it
-        (0 once it runs or finished)."""
+        """Runs ahead of this one: those running now plus the queued runs before it (0 once it runs or finished)."""
         with self._lock:
             order = self._planned_order()
             if ticket.status != QUEUED or ticket not in order:
                 return 0
-            running = self._running is not None and self._running is not ticket
-            return order.index(ticket) + int(running)
+            return order.index(ticket) + len(self._running)
 
     def _planned_order(self) -> list[Ticket]:
         """The order queued runs will start in: one per user per round, users in arrival order."""
@@ -115,14 +119,15 @@ class RunQueue:
         with self._lock:
             while True:
                 self._drop_stale()
-                if self._per_user:
-                    user, queue = next(iter(self._per_user.items()))
+                running_users = {ticket.user for ticket in self._running}
+                user = next((user for user in self._per_user if user not in running_users), None)
+                if user is not None:  # the first user in the round without a run in progress
+                    queue = self._per_user.pop(user)
                     ticket = queue.popleft()
-                    del self._per_user[user]
                     if queue:  # this user goes to the back of the round
                         self._per_user[user] = queue
                     ticket.status, ticket.started_at = RUNNING, time.monotonic()
-                    self._running = ticket
+                    self._running.append(ticket)
                     return ticket
                 self._lock.wait(timeout=1.0)
 
@@ -171,5 +176,5 @@ class RunQueue:
                 self._finish(ticket, DONE, result=result)
             finally:
                 with self._lock:
-                    self._running = None
+                    self._running.remove(ticket)
                     self._lock.notify_all()

@@ -110,3 +110,28 @@ def test_the_third_of_three_users_is_told_two_runs_are_ahead():
     assert queue_message(queue.ahead(second), second) == "Queued behind 1 other run…"
     gate.set()
     assert third.done.wait(5) and queue.ahead(third) == 0
+
+
+def test_runs_of_different_users_run_together_one_run_per_user():
+    queue = RunQueue(together=3)
+    gate = threading.Event()
+    started: list[str] = []
+
+    def blocking(name):
+        def job(progress):
+            started.append(name)
+            gate.wait(5)
+            return name
+        return job
+
+    a1, a2 = queue.submit("alice", blocking("a1")), queue.submit("alice", blocking("a2"))
+    b1, c1 = queue.submit("bob", blocking("b1")), queue.submit("carol", blocking("c1"))
+    deadline = time.monotonic() + 5
+    while len(started) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(started) == ["a1", "b1", "c1"], "three users' runs at once"
+    assert a2.status == "queued" and queue.ahead(a2) == 3, "alice's second run waits for her first"
+    gate.set()
+    for ticket in (a1, a2, b1, c1):
+        assert ticket.done.wait(5) and ticket.status == DONE
+    assert started[-1] == "a2"

@@ -23,10 +23,11 @@ from kvviz.engine.metrics import forced_comparison
 from kvviz.engine.results import Comparison, MethodResult
 from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.planning.memory import model_card
-from kvviz.runtime.batch import ROW_ERRORS, Row, decode_together
+from kvviz.runtime.batch import ROW_ERRORS, DecodeGroup, Row
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
 from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
+from kvviz.runtime.together import shared_decoder
 
 
 class PromptError(ValueError):
@@ -219,12 +220,16 @@ def compare(
     if not any(s.label == "full" for s in stacks):
         stacks.insert(0, parse_spec("full"))
     stacks.sort(key=lambda s: s.label != "full")
-    with loaded.lock:
+    with loaded.lock:  # released before a batched decode: the running batch takes it step by step
         session = PromptSession(loaded, prompt_ids, reuse_prefix)
         prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
         quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
-        decode_all = _compare_batched if batched else _compare_sequential
-        results = decode_all(session, stacks, max_new_tokens, sampling, progress)
+        if batched:
+            rows = _fork_rows(session, stacks, progress)
+        else:
+            results = _compare_sequential(session, stacks, max_new_tokens, sampling, progress)
+    if batched:
+        results = _decode_rows(session, rows, max_new_tokens, sampling, progress)
     return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,
                       quantization)
 
@@ -240,9 +245,9 @@ def _score(result: MethodResult, reference_logprobs: list[torch.Tensor], logprob
     result.kl_per_step, result.mean_kl = scores.kl_per_step, scores.mean_kl
 
 
-def _compare_batched(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
-                     sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
-    """Fork every method's cache, then decode them all in one batch (full first: it is the reference)."""
+def _fork_rows(session: PromptSession, stacks: list[MethodStack], progress: Progress | None) -> list[Row]:
+    """Every method's cache forked from the shared prefill (full first: it is the reference); a method that cannot
+    fork is a row with its error."""
     first_logits = session.prefill(session._capture).last_logits
     rows = []
     for index, stack in enumerate(stacks):
@@ -253,10 +258,20 @@ def _compare_batched(session: PromptSession, stacks: list[MethodStack], max_new_
             rows.append(Row(stack, session.fork(stack), first_logits, seconds=time.perf_counter() - started))
         except ROW_ERRORS as error:
             rows.append(Row(stack, None, first_logits, error=error))
+    return rows
+
+
+def _decode_rows(session: PromptSession, rows: list[Row], max_new_tokens: int, sampling: Sampling | None,
+                 progress: Progress | None) -> list[MethodResult]:
+    """Decode the rows in the model's running batch (with other runs' rows, when other runs decode now:
+    :mod:`kvviz.runtime.together`), then score each against full's teacher-forced distributions."""
     full = rows[0] if rows[0].error is None and rows[0].label == "full" else None
     report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
-    decode_together(session.loaded.model, rows, max_new_tokens, session.loaded.device, session.eos_ids, sampling,
-                    keep_logprobs=True, progress=report, reference=full)
+    group = DecodeGroup(rows, max_new_tokens, session.eos_ids, sampling, keep_logprobs=True, progress=report,
+                        reference=full)
+    shared_decoder(session.loaded).decode(group)
+    if group.error is not None:  # this run's step failed (cancelled, or the forward ran out of memory)
+        raise group.error
     reference_ok = full is not None and full.error is None
     results = []
     for row in rows:
@@ -275,7 +290,7 @@ def _compare_batched(session: PromptSession, stacks: list[MethodStack], max_new_
 def _compare_sequential(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
                         sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
     """One method after another, each with its own decode (and a second, teacher-forced one when it parts from
-    full): the baseline for :func:`_compare_batched`."""
+    full): the baseline for the batched decode (:func:`_decode_rows`)."""
     results: list[MethodResult] = []
     reference: MethodResult | None = None
     reference_logprobs: list[torch.Tensor] = []

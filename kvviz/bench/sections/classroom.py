@@ -10,21 +10,25 @@ the first projection's class through real Streamlit sessions.
 from __future__ import annotations
 
 import statistics
+import threading
+import time
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import fit, prompt_tokens
 from kvviz.engine.session import encode_prompt
 from kvviz.lessons import step_requests
-from kvviz.planning.classroom import ClassRun, ClassWait, project_class
+from kvviz.planning.classroom import ClassRun, ClassWait, percentile, project_class
 from kvviz.runs import CompareRequest, RunRequest
 from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.together import RUNS_TOGETHER, shared_decoder
 
 STUDENTS = 30
 LESSON_STUDENTS = 5  # as in the load test: five students on Lessons step 1 share one run, the others compare
 STUDENT_SPECS = ("full", "window:window=12")  # the load test's short comparison
 STUDENT_PROMPTS = ("Name two planets.", "Name three rivers.", "Name four birds.")
 STUDENT_TOKENS = 3
+CLASS_TOPICS = ("planets", "rivers", "birds", "colours", "tools", "trees", "metals", "dances", "breads", "boats")
 
 
 def _seconds(loaded: LoadedModel, requests: tuple[RunRequest, ...]) -> float:
@@ -36,6 +40,51 @@ def _student_request(loaded: LoadedModel, prompt: str) -> CompareRequest:
     ids = (encode_prompt(loaded.tokenizer, prompt, chat=True) if loaded.tokenizer is not None
            else prompt_tokens(loaded, 32))
     return CompareRequest(tuple(ids), STUDENT_SPECS, STUDENT_TOKENS)
+
+
+def serve_class(loaded: LoadedModel, requests: list[RunRequest], together: int) -> list[float]:
+    """Every request submitted at once and served as the app's queue serves a class: ``together`` runs at a time
+    in submission order (1: one at a time), comparisons among them decoding in one batch. Returns each request's
+    seconds from the submission until its result."""
+    slots, ready = threading.Semaphore(together), threading.Event()
+    until_result = [0.0] * len(requests)
+
+    def serve(index: int) -> None:
+        ready.wait()
+        time.sleep(0.001 * index)  # submission order: the semaphore serves its waiters in the order they came
+        with slots:
+            requests[index].compute(loaded)
+        until_result[index] = time.perf_counter() - started
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    started = time.perf_counter()
+    ready.set()
+    for thread in threads:
+        thread.join()
+    return until_result
+
+
+def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list[RunRequest], what: str,
+                log) -> None:
+    """The class served one run at a time and with runs decoding together, in turns (the same requests, results
+    already stored nowhere: every request computes), and how much sooner everybody is done together."""
+    decoder = shared_decoder(loaded)
+    done: dict[int, list[float]] = {}
+    for together in (1, RUNS_TOGETHER):
+        shared_before = decoder.shared_forwards
+        log(f"  {what}: {len(requests)} runs, {together} at a time")
+        done[together] = serve_class(loaded, requests, together)
+        label = "one_at_a_time" if together == 1 else "together"
+        section.add(f"{name}_{label}_p50", percentile(done[together], 0.5), "s",
+                    note=f"{what}, {together} run(s) admitted at a time: seconds until a student's result")
+        section.add(f"{name}_{label}_p95", percentile(done[together], 0.95), "s")
+        section.add(f"{name}_{label}_all_done", max(done[together]), "s",
+                    note=f"{decoder.shared_forwards - shared_before} forwards fed more than one run")
+    section.add(f"{name}_together_vs_one_at_a_time", max(done[RUNS_TOGETHER]) / max(done[1]), "x",
+                "<= 0.6" if loaded.device == "cpu" else "",
+                note=f"all done, {RUNS_TOGETHER} runs decoding together against one at a time")
 
 
 def _add_projection(section: Section, name: str, wait: ClassWait, what: str) -> None:
@@ -68,6 +117,9 @@ def classroom(run: BenchRun) -> Section:
     _add_projection(section, "class_mix", project_class(runs),
                     f"{STUDENTS - LESSON_STUDENTS} short comparisons"
                     + (f" + Lessons step 1 shared by {LESSON_STUDENTS}" if lessons else ""))
+    mix = [_student_request(loaded, f"Name {count} {topic}.") for count in ("two", "three", "four")
+           for topic in CLASS_TOPICS]
+    _add_served(section, "class_mix", loaded, mix, f"{STUDENTS} short comparisons", log)
 
     prompt = fit(loaded, sizes.app_prompt)
     specs = app_specs(prompt)
@@ -76,4 +128,9 @@ def classroom(run: BenchRun) -> Section:
     section.add("issue_comparison", seconds, "s", note=f"{len(specs)} configurations, {prompt} prompt tokens")
     _add_projection(section, "class_issue", project_class([ClassRun("issue comparison", seconds)] * STUDENTS),
                     f"every student runs the issue's comparison on their own {prompt}-token upload")
+    text = prompt_tokens(loaded, prompt + sizes.class_students)
+    uploads = [CompareRequest(tuple(text[i:i + prompt]), specs, sizes.app_tokens)  # no two share a prefix
+               for i in range(sizes.class_students)]
+    _add_served(section, "class_issue", loaded, uploads, f"{len(uploads)} students' comparisons of {len(specs)} "
+                f"configurations on their own {prompt}-token uploads", log)
     return section

@@ -1,0 +1,109 @@
+"""Runs of different users decoding together (kvviz.runtime.together): one forward per step for every run's rows,
+runs joining and leaving mid-batch, each run's result equal to the same run alone, token for token."""
+
+import threading
+import time
+
+from kvviz.engine.session import compare
+from kvviz.methods.window import Window
+from kvviz.runtime.together import shared_decoder
+from tests.test_batched import assert_same_rows
+
+FIRST_SPECS = ["window:window=8", "h2o:heavy=4,recent=4", "snapkv:budget=16,window=4"]
+SECOND_SPECS = ["streaming_llm:sinks=2,window=6", "tova:budget=10", "window:window=8"]
+
+
+class Stop(Exception):
+    """What a cancelled run's progress report raises (the app's queue raises its own Cancelled)."""
+
+
+def together(loaded, runs: list[dict]) -> list:
+    """Start the runs in threads while the model is held, so their prefills line up in order and every later run
+    joins the batch the first one decodes in; return each run's comparison (or the exception it raised)."""
+    outcomes: list = [None] * len(runs)
+
+    def run(index: int) -> None:
+        try:
+            outcomes[index] = compare(loaded, **runs[index])
+        except Exception as error:  # noqa: BLE001 - the test reads it
+            outcomes[index] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(runs))]
+    with loaded.lock:
+        for count, thread in enumerate(threads, start=1):
+            thread.start()
+            while loaded.lock.waiting < count:  # each run in line for its prefill before the next starts
+                time.sleep(0.005)
+    for thread in threads:
+        thread.join(300)
+    return outcomes
+
+
+def test_two_prompts_of_different_lengths_in_one_batch_give_each_its_results_alone(tiny_model, story_ids):
+    decoder = shared_decoder(tiny_model)
+    shared_before = decoder.shared_forwards
+    runs = [dict(prompt_ids=story_ids[:60], specs=FIRST_SPECS, max_new_tokens=10),
+            dict(prompt_ids=story_ids[5:45], specs=SECOND_SPECS, max_new_tokens=4)]  # joins late, leaves early
+    first, second = together(tiny_model, runs)
+    assert decoder.shared_forwards > shared_before, "the two runs shared forwards"
+    for outcome, run in zip((first, second), runs, strict=True):
+        alone = compare(tiny_model, **run, batched=False)
+        assert_same_rows(outcome, alone)
+        assert len(outcome.by_method("full").token_ids) == run["max_new_tokens"]
+
+
+def test_a_run_cancelled_mid_batch_leaves_and_the_other_finishes_as_alone(tiny_model, story_ids):
+    def cancel_at_token_3(fraction: float, message: str) -> None:
+        if message.startswith("token 3/"):
+            raise Stop
+
+    runs = [dict(prompt_ids=story_ids[:50], specs=FIRST_SPECS, max_new_tokens=8),
+            dict(prompt_ids=story_ids[10:70], specs=SECOND_SPECS, max_new_tokens=8, progress=cancel_at_token_3)]
+    kept, cancelled = together(tiny_model, runs)
+    assert isinstance(cancelled, Stop)
+    assert_same_rows(kept, compare(tiny_model, **runs[0], batched=False))
+
+
+def test_one_users_failing_method_does_not_touch_another_users_run(tiny_model, story_ids, monkeypatch):
+    broken_prompt = 44
+    original = Window.select
+
+    def breaks_on_one_prompt(self, view):
+        if view.prompt_length == broken_prompt and view.step == 2:
+            raise RuntimeError("simulated kernel failure")
+        return original(self, view)
+
+    runs = [dict(prompt_ids=story_ids[:60], specs=FIRST_SPECS, max_new_tokens=8),
+            dict(prompt_ids=story_ids[:broken_prompt], specs=SECOND_SPECS, max_new_tokens=8)]
+    alone = [compare(tiny_model, **run, batched=False) for run in runs]
+    monkeypatch.setattr(Window, "select", breaks_on_one_prompt)
+    healthy, hurt = together(tiny_model, runs)
+    assert_same_rows(healthy, alone[0])
+    assert hurt.by_method("window:window=8").error == "RuntimeError: simulated kernel failure"
+    for ours, theirs in zip(hurt.results, alone[1].results, strict=True):
+        if ours.method != "window:window=8":
+            assert ours.error is None and ours.token_ids == theirs.token_ids, ours.method
+
+
+def test_a_caller_holding_the_model_decodes_alone(tiny_model, story_ids):
+    with tiny_model.lock:
+        held = compare(tiny_model, story_ids[:30], ["window:window=6"], 4)
+    assert_same_rows(held, compare(tiny_model, story_ids[:30], ["window:window=6"], 4, batched=False))
+
+
+def test_the_model_lock_serves_waiters_in_arrival_order(tiny_model):
+    waiters = 3
+    order: list[int] = []
+    lock = type(tiny_model.lock)()
+    threads = [threading.Thread(target=lambda i=i: (lock.acquire(), order.append(i), lock.release()))
+               for i in range(waiters)]
+    with lock:
+        for count, thread in enumerate(threads, start=1):
+            thread.start()
+            while lock.waiting < count:
+                time.sleep(0.005)
+        with lock:  # reentrant
+            assert lock.held()
+    for thread in threads:
+        thread.join(5)
+    assert order == list(range(waiters))
