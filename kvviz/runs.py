@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvviz.cache.capture import AttentionStats, CaptureConfig, listening
+from kvviz.cache.attention import listening
+from kvviz.cache.capture import CaptureConfig
+from kvviz.cache.stats import AttentionStats
 from kvviz.engine.results import Comparison
 from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card

@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import streamlit as st
 
-from kvviz.cache.capture import AttentionStats
+from kvviz.cache.stats import AttentionStats
 from kvviz.engine.results import Comparison
 from kvviz.runs import AttentionRequest, CompareRequest, ResultStore, RunRequest
 from kvviz.runtime.faults import describe_error

@@ -26,7 +26,7 @@ def tiny_model(real_model):
     """A 2-layer random Llama with GQA (4 query heads over 2 KV heads) sharing the real tokenizer's vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from kvviz.cache.capture import install_attention
+    from kvviz.cache.attention import install_attention
     from kvviz.runtime.models import LoadedModel
 
     torch.manual_seed(0)

@@ -164,7 +164,7 @@ def tiny_deepseek():
     """A 2-layer random DeepSeek-V2 (MLA: latent 16 + RoPE 8; transformers caches per-head K 24 and V 16)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from kvviz.cache.capture import install_attention
+    from kvviz.cache.attention import install_attention
     from kvviz.runtime.models import LoadedModel
 
     torch.manual_seed(0)

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from kvviz import bench
-from kvviz.cache import capture
-from kvviz.cache.capture import CaptureConfig, StatsRecorder, listening
+from kvviz.cache import attention
+from kvviz.cache.attention import listening
+from kvviz.cache.capture import CaptureConfig
+from kvviz.cache.stats import StatsRecorder
 from kvviz.cli import main
 from kvviz.engine.session import PromptSession, capture_for
 from kvviz.methods import REGISTRY, parse_spec
@@ -141,8 +143,8 @@ def test_blockwise_capture_matches_one_block(tiny_model, story_ids, monkeypatch)
         return logits, recorder.finish(), wide
 
     logits, whole, _ = captured()
-    monkeypatch.setattr(capture, "BLOCK_BYTES_CPU", 1)
-    monkeypatch.setattr(capture, "MIN_BLOCK_ROWS", 7)  # 13 blocks, the last one short
+    monkeypatch.setattr(attention, "BLOCK_BYTES_CPU", 1)
+    monkeypatch.setattr(attention, "MIN_BLOCK_ROWS", 7)  # 13 blocks, the last one short
     blocked_logits, blocked, wide = captured()
     torch.testing.assert_close(blocked_logits, logits, atol=1e-5, rtol=1e-5)
     for layer in (0, 1):

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from kvviz.cache.capture import CaptureConfig, StatsRecorder, listening
+from kvviz.cache.attention import listening
+from kvviz.cache.capture import CaptureConfig
+from kvviz.cache.stats import StatsRecorder
 
 
 def _forward(model, ids):
@@ -70,10 +72,10 @@ def test_window_attention_sums_the_last_queries(tiny_model, story_ids):
 
 def test_window_only_capture_computes_just_the_window_rows_and_matches_the_full_capture(tiny_model, story_ids,
                                                                                        monkeypatch):
-    from kvviz.cache import capture
+    from kvviz.cache import attention
 
     n, computed = 96, []
-    explicit = capture._explicit_attention
+    explicit = attention._explicit_attention
 
     def counting(*args, first_query=0, **kwargs):
         computed.append(args[1].shape[2] - first_query)
@@ -82,7 +84,7 @@ def test_window_only_capture_computes_just_the_window_rows_and_matches_the_full_
     full = StatsRecorder(CaptureConfig(windows=(4, 16)), n)
     with listening(full):
         _forward(tiny_model.model, story_ids[:n])
-    monkeypatch.setattr(capture, "_explicit_attention", counting)
+    monkeypatch.setattr(attention, "_explicit_attention", counting)
     windows_only = StatsRecorder(CaptureConfig(windows=(4, 16), all_queries=False), n)
     with listening(windows_only):
         logits = _forward(tiny_model.model, story_ids[:n])
@@ -134,10 +136,10 @@ def test_a_united_capture_covers_each_need_and_a_narrower_one_does_not():
 
 def test_layers_without_received_attention_run_sdpa_and_still_report_exact_sink_mass(tiny_model, story_ids,
                                                                                      monkeypatch):
-    from kvviz.cache import capture
+    from kvviz.cache import attention
 
     n, explicit_layers = 80, []
-    explicit = capture._explicit_attention
+    explicit = attention._explicit_attention
 
     def counting(module, *args, first_query=0, **kwargs):
         if first_query == 0:
@@ -147,7 +149,7 @@ def test_layers_without_received_attention_run_sdpa_and_still_report_exact_sink_
     every = StatsRecorder(CaptureConfig(sink_tokens=3), n)
     with listening(every):
         _forward(tiny_model.model, story_ids[:n])
-    monkeypatch.setattr(capture, "_explicit_attention", counting)
+    monkeypatch.setattr(attention, "_explicit_attention", counting)
     one_layer = StatsRecorder(CaptureConfig(sink_tokens=3, received_layers=(1,)), n)
     with listening(one_layer):
         logits = _forward(tiny_model.model, story_ids[:n])

@@ -54,7 +54,7 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None,
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvviz.cache.capture import install_attention
+    from kvviz.cache.attention import install_attention
 
     if spec in PRESETS:
         fields = dict(PRESETS[spec])

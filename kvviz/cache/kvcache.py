@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvviz.cache.capture import KeyPart
+from kvviz.cache.attention import KeyPart
 from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.protect import with_protected
 from kvviz.cache.protocol import EvictionMethod, LayerView
@@ -286,7 +286,7 @@ class KVCache(Cache):
         cache_position = torch.arange(stored, stored + absolute.numel())
         return self.step_rotary.unsqueeze(0), cache_position
 
-    # -- what attention reads: passed with the model call as ``key_source`` (kvviz.cache.capture.KeySource) -------
+    # -- what attention reads: passed with the model call as ``key_source`` (kvviz.cache.attention.KeySource) -------
     def key_parts(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> list[KeyPart]:
         """The whole batch over the keys just returned by this layer's update, skipping its hidden slots; the
         cache listens to its own attention when its method scores at decode time."""

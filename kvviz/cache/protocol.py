@@ -89,7 +89,7 @@ class EvictionMethod(Method):
     def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | KeptRanges | None:
         """After the prompt's forward: entries to keep as :meth:`select` returns them, or None to keep all.
 
-        ``stats`` is the prefill's :class:`kvviz.core.capture.AttentionStats` (when the method asked for capture).
+        ``stats`` is the prefill's :class:`kvviz.cache.stats.AttentionStats` (when the method asked for capture).
         """
         return self.select(view)
 
@@ -190,7 +190,7 @@ def topk_keep(scores: torch.Tensor, count: int, forced: torch.Tensor | None = No
 
 
 class QuantizationMethod(Method):
-    """Decides how entries are stored: builds one storage object per layer (see :mod:`kvviz.core.storage`)."""
+    """Decides how entries are stored: builds one storage object per layer (see :mod:`kvviz.cache.storage`)."""
 
     kind = "quantization"
 

@@ -14,10 +14,12 @@ from dataclasses import dataclass
 import torch
 
 from kvviz.cache.architecture import ArchitectureStorage, axis_factors
-from kvviz.cache.capture import AttentionStats, CaptureConfig, StatsRecorder, listening, recording_layer_inputs
+from kvviz.cache.attention import listening
+from kvviz.cache.capture import CaptureConfig, recording_layer_inputs
 from kvviz.cache.kvcache import KVCache, rope_rotator
 from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.protect import protected_positions
+from kvviz.cache.stats import AttentionStats, StatsRecorder
 from kvviz.engine.diagnostics import quantization_report
 from kvviz.engine.metrics import forced_comparison
 from kvviz.engine.results import Comparison, MethodResult

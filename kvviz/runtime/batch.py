@@ -4,9 +4,9 @@ Each row is an ordinary :class:`~kvviz.cache.kvcache.KVCache` (its own method st
 positions and ledger) doing exactly what it does alone. :class:`BatchCache` is the transformers ``Cache`` the model sees
 for a forward over N rows of one token each: each layer's ``update`` splits the new K/V by row and lets that row's
 ``KVLayer.update`` append and evict as it would alone. Nothing is padded: the batch is passed with the model call as
-its attention's key source (:class:`kvviz.cache.capture.KeySource`), so the linear layers run over all rows at once and
-attention runs per row over that row's own keys (a row whose method scores attention at decode time, H2O or TOVA,
-gets its own probabilities; the others stay on SDPA).
+its attention's key source (:class:`kvviz.cache.attention.KeySource`), so the linear layers run over all rows at
+once and attention runs per row over that row's own keys (a row whose method scores attention at decode time, H2O or
+TOVA, gets its own probabilities; the others stay on SDPA).
 
 A row that fails inside its own update or selection is reported and leaves the batch; the others go on, because
 nothing of one row mixes with another's. :class:`DecodeGroup` is one run's rows (a comparison's configurations and
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from kvviz.cache.capture import KeyPart
+from kvviz.cache.attention import KeyPart
 from kvviz.cache.kvcache import FirstUpdateLayer, KVCache
 from kvviz.cache.spec import MethodStack, SpecError
 from kvviz.runtime.faults import is_out_of_memory

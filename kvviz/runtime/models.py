@@ -249,7 +249,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from kvviz.cache.capture import install_attention
+    from kvviz.cache.attention import install_attention
 
     hf_logging.disable_progress_bar()
     source, is_local = resolve_source(name)

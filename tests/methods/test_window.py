@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from kvviz.cache.capture import listening
+from kvviz.cache.attention import listening
 from kvviz.engine.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runtime.replay import forward_step
