@@ -33,6 +33,10 @@ def test_quick_bench_reports_every_section(real_model):
     assert any(name.startswith("stats_growth@") for name in figures["capture"])
     assert "worst" in figures["kv_bytes"]
     assert {"student_comparison", "class_mix_wait_p95", "class_issue_wait_p95"} <= figures["classroom"]
+    assert {"class_mix_together_vs_one_at_a_time", "class_issue_together_p95", "class_issue_one_at_a_time_p95"} <= (
+        figures["classroom"]), "the class served both ways"
+    assert {"floor_seconds", "batched_decode_vs_floor", "same_tokens"} <= figures["batched_compare"]
+    assert all("load_average" in names for names in figures.values()), "each section says how busy the machine was"
     by_name = {s.name: {f.name: f for f in s.figures} for s in report.sections}
     assert by_name["shared_prefill"]["same_tokens_as_independent"].passed
     assert by_name["replay_vs_generate"]["same_tokens"].passed

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
@@ -21,8 +19,7 @@ def step_through(loaded, prompt_ids: list[int], spec: str, steps: int, after_ste
         logits = session.prefill().last_logits
         if after_step is not None:
             after_step(cache, 0)
-        scoring = cache.stack.eviction.scores_attention
-        with torch.inference_mode(), listening(cache) if scoring else contextlib.nullcontext():
+        with torch.inference_mode():  # forward_step hands the cache its own attention when its method scores it
             for step in range(1, steps + 1):
                 position = len(prompt_ids) + step - 1
                 logits = forward_step(loaded.model, cache, [int(logits.argmax())], position, step, loaded.device)
