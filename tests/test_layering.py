@@ -118,3 +118,10 @@ def test_no_method_module_reads_the_environment():
                      if (isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv", "from_env"))
                      or (isinstance(node, ast.ImportFrom) and node.module == "kvviz.runtime.settings"))
     assert readers == []
+
+
+def test_no_source_file_is_over_450_lines():
+    """A file that long does more than one job; split it along them."""
+    long = sorted(f"{path.relative_to(ROOT)} ({lines} lines)" for path in sources().values()
+                  if (lines := len(path.read_text().splitlines())) > 450)
+    assert long == []
