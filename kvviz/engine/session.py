@@ -245,9 +245,9 @@ def _score(result: MethodResult, reference_logprobs: list[torch.Tensor], logprob
     result.kl_per_step, result.mean_kl = scores.kl_per_step, scores.mean_kl
 
 
-def _compare_batched(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
-                     sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
-    """Fork every method's cache, then decode them all in one batch (full first: it is the reference)."""
+def _fork_rows(session: PromptSession, stacks: list[MethodStack], progress: Progress | None) -> list[Row]:
+    """One batch row per method, its cache forked from the shared prefill (a row that cannot fork carries its
+    error); the first 5% of the progress."""
     first_logits = session.prefill(session._capture).last_logits
     rows = []
     for index, stack in enumerate(stacks):
@@ -258,10 +258,52 @@ def _compare_batched(session: PromptSession, stacks: list[MethodStack], max_new_
             rows.append(Row(stack, session.fork(stack), first_logits, seconds=time.perf_counter() - started))
         except ROW_ERRORS as error:
             rows.append(Row(stack, None, first_logits, error=error))
+    return rows
+
+
+def _after_forks(progress: Progress | None) -> Progress | None:
+    return None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
+
+
+def teacher_forced(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int = 64,
+                   progress: Progress | None = None, reuse_prefix: bool = True) -> list[MethodResult]:
+    """Full free-running (greedy) and every other SPEC teacher-forced on full's tokens from the first step, all in
+    one batch after one shared prefill: what a sweep measures (no method's own continuation is decoded).
+
+    Each result's agreement, KL and first divergence equal :func:`compare`'s for that SPEC; its text and tokens
+    are full's, its bytes and ledger those of a cache fed full's tokens. ``full`` comes first (added if missing).
+    """
+    stacks = [parse_spec(spec) for spec in specs]
+    stacks = [parse_spec("full")] + [s for s in stacks if s.label != "full"]
+    with loaded.lock:
+        session = PromptSession(loaded, prompt_ids, reuse_prefix)
+        session.prefill(capture_for(stacks))
+        rows = _fork_rows(session, stacks, progress)
+        full = rows[0]
+        if full.error is not None:
+            return [_error_result(row.label, full.error) for row in rows]
+        for row in rows[1:]:
+            row.follows = full
+        decode_together(session.loaded.model, rows, max_new_tokens, session.loaded.device, session.eos_ids,
+                        keep_logprobs=True, progress=_after_forks(progress))
+        results = []
+        for row in rows:
+            if row.error is not None:
+                results.append(_error_result(row.label, row.error))
+                continue
+            result = session.result(row.stack, row.cache, row.trace, row.seconds)
+            _score(result, full.trace.step_logprobs, row.trace.step_logprobs)
+            results.append(result)
+    return results
+
+
+def _compare_batched(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
+                     sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
+    """Fork every method's cache, then decode them all in one batch (full first: it is the reference)."""
+    rows = _fork_rows(session, stacks, progress)
     full = rows[0] if rows[0].error is None and rows[0].label == "full" else None
-    report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
     decode_together(session.loaded.model, rows, max_new_tokens, session.loaded.device, session.eos_ids, sampling,
-                    keep_logprobs=True, progress=report, reference=full)
+                    keep_logprobs=True, progress=_after_forks(progress), reference=full)
     reference_ok = full is not None and full.error is None
     results = []
     for row in rows:

@@ -21,11 +21,14 @@ Palu (Chang et al. 2024) and MHA2MLA (Ji et al. 2025), without their fine-tuning
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from kvviz.cache.architecture import ArchitectureStorage
 from kvviz.cache.protocol import ArchitectureMethod
-from kvviz.cache.spec import MethodStack, Param, SpecError, register
+from kvviz.cache.spec import MethodStack, Param, Sizing, SpecError, register
 from kvviz.cache.storage import KeptRanges, KVStorage, gather_tokens, take_ranges, tensor_bytes
 
 
@@ -114,6 +117,18 @@ class LowRank(ArchitectureMethod):
               min=1, max=65536),
         Param("v_rank", int, 0, "latent size for the values; 0 = the same as rank", min=0, max=65536),
     )
+    sized_by = "rank"
+
+    @classmethod
+    def sweep_points(cls, shares: Sequence[float], sizing: Sizing,
+                     fixed: dict[str, Any]) -> list[tuple[float, LowRank]]:
+        """The rank holding each share of the model's ``kv_heads * head_dim`` elements per token and layer."""
+        width = sizing.kv_heads * sizing.head_dim
+        points = []
+        for share in shares:
+            method = cls(**(fixed | {"rank": max(1, round(share * width))}))
+            points.append((method.cache_fraction(sizing.kv_heads, sizing.head_dim), method))
+        return points
 
     @property
     def value_rank(self) -> int:
