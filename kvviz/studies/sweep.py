@@ -162,18 +162,27 @@ def check_workload(workload: Workload) -> None:
         raise ValueError("a text needs at least 2 tokens")
 
 
-def plan(specs: list[str], budgets: list[float], sizing: Sizing) -> tuple[list[Family], list[tuple[Family,
-                                                                                              float | None, str]]]:
-    """The families and every point (family, share, SPEC), each SPEC once (the first family to reach it keeps it).
-    ValueError (SpecError included) for bad SPECs or budgets, and when nothing is left free to sweep."""
+def check_sweep(specs: list[str], budgets: list[float], workload: Workload | None = None) -> list[Family]:
+    """The families of ``specs``, or ValueError (SpecError included) with one line: a bad SPEC or budget, a bad
+    workload, or nothing left free to sweep. Needs no model, so the CLI and the page check before any work."""
     check_budgets(budgets)
+    if workload is not None:
+        check_workload(workload)
     if not specs:
-        raise ValueError("give at least one --method SPEC")
+        raise ValueError("give at least one method SPEC")
     families = [read_family(spec) for spec in specs]
     if all(f.member is None for f in families):
         raise ValueError(f"nothing to sweep: {', '.join(f.spec for f in families)} "
                          f"{'has' if len(families) == 1 else 'have'} no free parameter; name a method without "
                          "its budget (snapkv, kivi, lowrank) or run fixed SPECs through compare")
+    return families
+
+
+def plan(specs: list[str], budgets: list[float], sizing: Sizing) -> tuple[list[Family], list[tuple[Family,
+                                                                                              float | None, str]]]:
+    """The families and every point (family, share, SPEC), each SPEC once (the first family to reach it keeps it).
+    ValueError as :func:`check_sweep` says."""
+    families = check_sweep(specs, budgets)
     seen: set[str] = {"full"}
     points = []
     for family in families:
@@ -268,7 +277,7 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
               progress: Progress | None = None) -> SweepReport:
     """Measure every family at every budget on ``workload`` (full first, the reference), then mark the frontiers.
     ValueError (SpecError, PromptError included) for bad arguments, before any model work."""
-    check_workload(workload)
+    check_sweep(list(specs), list(budgets), workload)
     card = model_card(loaded)
     sizing = Sizing(workload.sizing_length(), card.kv_heads, card.head_dim, card.bytes_per_element)
     families, planned = plan(list(specs), list(budgets), sizing)
