@@ -114,35 +114,32 @@ def test_fixed_configurations_join_a_sweep_as_one_point_each():
         ("snapkv", 0.25, "snapkv:budget=256"), ("snapkv", 0.5, "snapkv:budget=512"), ("fp8", None, "fp8")]
 
 
-SAME_AS_COMPARE = ["snapkv", "snapkv+kivi:bits=4,residual=0", "kvpress_native:press=knorm", "streaming_llm",
-                   "lowrank"]
+SAME_AS_COMPARE = ["snapkv", "snapkv+kivi:bits=4,residual=0", "kvpress_native:press=knorm", "streaming_llm"]
 
 
 def test_a_sweep_point_equals_the_same_spec_run_alone_through_compare(real_model, story_ids):
-    report = run_sweep(real_model, PromptWorkload(tuple(story_ids), 6), SAME_AS_COMPARE, [0.25])
-    assert [p.family for p in report.points] == ["full", *SAME_AS_COMPARE]
-    assert all(p.error is None for p in report.points), [p.error for p in report.points]
-    assert report.points[0].agreement_with_full == 1.0 and report.points[0].compression == 1.0
-    for point in report.points[1:]:
-        alone = compare(real_model, story_ids, [point.spec], 6)
-        full, result = alone.results
-        assert result.method == point.spec
-        assert point.agreement_with_full == result.agreement_with_full
-        assert point.first_divergence == result.first_divergence
-        assert math.isclose(point.mean_kl, result.mean_kl, rel_tol=1e-3, abs_tol=1e-5)
-        if len(result.token_ids) == len(full.token_ids):  # bytes and kept entries count the tokens fed
-            assert point.kv_bytes == result.kv_bytes
+    sizing = Sizing(len(story_ids), 3, 64, 4)
+    specs = [spec for _, _, spec in plan(SAME_AS_COMPARE, [0.25], sizing)[1]]
+    assert len(specs) == len(SAME_AS_COMPARE)
+    forced = teacher_forced(real_model, story_ids, specs, 6)  # what run_sweep measures a prompt with
+    assert [r.method for r in forced] == ["full", *specs]
+    assert forced[0].agreement_with_full == 1.0 and forced[0].mean_kl == 0.0
+    for point in forced[1:]:
+        assert point.error is None, point.error
+        full, alone = compare(real_model, story_ids, [point.method], 6).results
+        assert alone.method == point.method
+        assert point.agreement_with_full == alone.agreement_with_full
+        assert point.first_divergence == alone.first_divergence
+        assert math.isclose(point.mean_kl, alone.mean_kl, rel_tol=1e-3, abs_tol=1e-5)
         assert point.kv_bytes_full == full.kv_bytes
-    forced = teacher_forced(real_model, story_ids, [p.spec for p in report.points], 6)
-    for point, result in zip(report.points, forced, strict=True):
-        alone = compare(real_model, story_ids, [point.spec], 6).results[-1]
-        assert result.kv_bytes == point.kv_bytes
-        if result.ledger is not None or alone.ledger is not None:  # same entries kept in every layer and head
-            assert torch.equal(result.ledger.evicted_at, alone.ledger.evicted_at), point.spec
+        if len(alone.token_ids) == len(full.token_ids):  # bytes and kept entries count the tokens fed
+            assert point.kv_bytes == alone.kv_bytes
+            if point.ledger is not None or alone.ledger is not None:  # the same entries in every layer and head
+                assert torch.equal(point.ledger.evicted_at, alone.ledger.evicted_at), point.method
 
 
 def test_the_frontier_and_summary_of_a_prompt_sweep(real_model, story_ids):
-    report = run_sweep(real_model, PromptWorkload(tuple(story_ids), 6), ["streaming_llm", "kivi:residual=0"],
+    report = run_sweep(real_model, PromptWorkload(tuple(story_ids), 4), ["streaming_llm", "kivi:residual=0"],
                        [0.125, 0.5])
     data = report.to_json()
     assert set(data) >= {"model", "prompt_tokens", "workload", "points"}
@@ -165,7 +162,7 @@ def test_a_text_sweep_reports_perplexity_and_refuses_prompt_only_evictions_per_p
 
 
 def test_a_task_sweep_scores_calibrated_items(real_model):
-    report = run_sweep(real_model, TaskWorkload("needle", 192, (0.5,)), ["streaming_llm"], [0.0625, 0.5])
+    report = run_sweep(real_model, TaskWorkload("needle", 192, (0.5,)), ["streaming_llm"], [0.0625])
     full = report.points[0]
     if full.error:  # the full cache missed the only item: every point says so instead of scoring
         assert all(p.error == full.error for p in report.points)
