@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from kvviz import cli
+from kvviz.cli import options
 from kvviz.cli import main
 
 POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_with_full", "mean_kl", "accuracy",
@@ -22,14 +22,14 @@ POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_
     (["--task", "needle", "--method", "snapkv", "--budgets", "a,b"], "bad --budgets 'a,b'"),
 ])
 def test_mistakes_are_one_line_before_any_model_work(extra, message, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_load", lambda args: pytest.fail("a mistake must be reported before loading a model"))
+    monkeypatch.setattr(options, "load", lambda args: pytest.fail("a mistake must be reported before loading a model"))
     assert main(["sweep", *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
 
 
 def test_json_holds_every_point_with_the_schema_keys(tiny_model, monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(cli, "_load", lambda args: tiny_model)
+    monkeypatch.setattr(options, "load", lambda args: tiny_model)
     prompt = tmp_path / "prompt.txt"
     prompt.write_text("The quick brown fox jumps over the lazy dog. " * 8)
     out = tmp_path / "sweep.json"
