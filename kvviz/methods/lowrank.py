@@ -21,6 +21,8 @@ Palu (Chang et al. 2024) and MHA2MLA (Ji et al. 2025), without their fine-tuning
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,16 +33,28 @@ from kvviz.cache.protocol import ArchitectureMethod
 from kvviz.cache.spec import MethodStack, Param, Sizing, SpecError, register
 from kvviz.cache.storage import KeptRanges, KVStorage, gather_tokens, take_ranges, tensor_bytes
 
+_BASES: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # a covariance's digest -> its eigenvectors, newest last
+BASES_KEPT = 128  # two per layer (keys, values) of a few prompts: a sweep over ranks decomposes each layer once
+
 
 def principal_directions(samples: torch.Tensor, rank: int) -> torch.Tensor:
     """[features, rank] orthonormal directions of largest uncentred variance of ``samples`` [N, features].
 
     The eigendecomposition of the feature covariance always returns a complete basis, so a full rank reconstructs
-    exactly even when the prompt has fewer tokens than features.
+    exactly even when the prompt has fewer tokens than features. Every rank of one prompt reads the same basis, so
+    the decomposition is kept by the covariance's content (a digest of its bytes) and reused.
     """
     data = samples.double()
-    _, vectors = torch.linalg.eigh(data.T @ data)  # ascending eigenvalues
-    return vectors.flip(-1)[:, :rank]
+    covariance = data.T @ data
+    digest = hashlib.sha256(covariance.cpu().numpy().tobytes()).digest()
+    vectors = _BASES.get(digest)
+    if vectors is None:
+        vectors = torch.linalg.eigh(covariance)[1].flip(-1)  # eigh: ascending eigenvalues
+        _BASES[digest] = vectors
+        while len(_BASES) > BASES_KEPT:
+            _BASES.popitem(last=False)
+    _BASES.move_to_end(digest)
+    return vectors[:, :rank]
 
 
 class LatentStorage(ArchitectureStorage):
