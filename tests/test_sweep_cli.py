@@ -5,8 +5,7 @@ import math
 
 import pytest
 
-from kvviz.cli import options
-from kvviz.cli import main
+from kvviz.cli import main, options
 
 POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_with_full", "mean_kl", "accuracy",
               "perplexity", "frontier"}

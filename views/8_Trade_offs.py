@@ -31,7 +31,7 @@ loaded = require_model()
 @st.cache_data(show_spinner=False)
 def family_choices() -> dict[str, str]:
     """SPEC -> what it sweeps: the default families, every registered method, and each kvpress press natively."""
-    from kvviz.methods.kvpress.native import press_catalog
+    from kvviz.methods.kvpress.catalog import press_catalog
 
     names = [n for n in sorted(REGISTRY) if n != "full" and n != "kvpress_native"]
     specs = [*DEFAULT_FAMILIES, *names, *(f"kvpress_native:press={p}" for p in sorted(press_catalog()))]
