@@ -12,4 +12,5 @@ st.navigation([
     st.Page("views/5_Lessons.py", title="Lessons", icon=":material/school:"),
     st.Page("views/6_Tail_risk.py", title="Tail risk", icon=":material/warning:"),
     st.Page("views/7_Prefix_reuse.py", title="Prefix reuse", icon=":material/cached:"),
+    st.Page("views/8_Trade_offs.py", title="Trade-offs", icon=":material/show_chart:"),
 ]).run()

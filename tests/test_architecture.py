@@ -234,3 +234,16 @@ def test_every_quantizer_replays_an_mla_model_and_holds_its_formula_bytes(tiny_d
     # bnb pads each key and each value to its own 64-element block: the widths are not averaged away
     assert parse_spec("bnb:type=nf4").quantization.bits_per_element(24, 16) == (2 * (64 * 4 + 32)) / 40
     assert set(comparison.quantization.errors) == {result.method for result in comparison.results[1:]}
+
+
+def test_every_rank_of_one_prompt_reads_one_decomposition():
+    from kvviz.methods import lowrank
+
+    samples = torch.randn(40, 12, generator=torch.Generator().manual_seed(3))
+    lowrank._BASES.clear()
+    wide, narrow = lowrank.principal_directions(samples, 6), lowrank.principal_directions(samples, 2)
+    assert len(lowrank._BASES) == 1 and torch.equal(wide[:, :2], narrow)
+    fresh = torch.linalg.eigh(samples.double().T @ samples.double())[1].flip(-1)[:, :6]
+    assert torch.equal(wide, fresh)
+    lowrank.principal_directions(samples * 2, 2)  # another covariance: its own decomposition
+    assert len(lowrank._BASES) == 2

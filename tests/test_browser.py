@@ -316,3 +316,26 @@ def test_bad_links_say_what_they_changed_and_run_nothing(server):
                 no_exception(page)
         finally:
             browser.close()
+
+
+def test_trade_offs_default_run_draws_crossing_lines_and_the_frontier(server):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = _browser(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{server}/Trade_offs", timeout=120_000)  # the five default families on the lesson prompt
+            page.get_by_role("button", name="Run the sweep").wait_for(timeout=180_000)
+            settle(page)
+            page.get_by_role("button", name="Run the sweep").click()
+            page.get_by_text("configurations on").wait_for(timeout=600_000)
+            settle(page)
+            no_exception(page)
+            body = page.inner_text("body")
+            assert "smaller than full or more" in body and "One prompt is a demonstration" in body
+            assert page.locator(".js-plotly-plot").count() == 1
+            assert "frontier" in page.locator(".js-plotly-plot").first.inner_text()
+            shoot(page, "tradeoffs")
+        finally:
+            browser.close()

@@ -19,10 +19,11 @@ def text_ids(tiny_model) -> list[int]:
 
 def test_full_in_chunks_equals_token_by_token(tiny_model, text_ids, monkeypatch):
     monkeypatch.setattr("kvviz.studies.perplexity.CHUNK", 48)  # several chunk boundaries on a short text
-    chunked = _full_chunked(tiny_model, text_ids[:130], None)
-    streamed = _streamed(tiny_model, text_ids[:130], "full", None)
+    chunked, chunked_bytes = _full_chunked(tiny_model, text_ids[:130], None)
+    streamed, streamed_bytes = _streamed(tiny_model, text_ids[:130], "full", None)
     assert chunked.shape == streamed.shape == (129,)
     torch.testing.assert_close(chunked, streamed, rtol=1e-4, atol=1e-4)
+    assert chunked_bytes == streamed_bytes > 0  # both caches end holding the same tokens, uncompressed
 
 
 def test_result_fields_and_start(tiny_model, text_ids):

@@ -65,6 +65,7 @@ PAGES = [
     ("views/5_Lessons.py", "Lessons", "A step-by-step walkthrough for a class, run live."),
     ("views/6_Tail_risk.py", "Tail risk", "Multi-key, multi-hop and instruction tasks: what compression loses."),
     ("views/7_Prefix_reuse.py", "Prefix reuse", "A shared preamble reused block by block, and what breaks it."),
+    ("views/8_Trade_offs.py", "Trade-offs", "Quality against memory, every method across its budgets: the frontier."),
 ]
 columns = st.columns(4)
 for index, (page, label, text) in enumerate(PAGES):

@@ -55,6 +55,9 @@ class Sizes:
     repeats: int = 2
     prefix_preamble: int = 1536
     prefix_question: int = 30
+    sweep_prompt: int = 1024  # the trade-off sweep: 6 families x sweep_budgets budgets, sweep_tokens teacher-forced
+    sweep_tokens: int = 32
+    sweep_budgets: int = 4
 
 
 SIZES: dict[str, Sizes] = {
@@ -63,7 +66,8 @@ SIZES: dict[str, Sizes] = {
                    capture_lengths=(64, 128), decode_prompt=96, decode_budget=32, decode_steps=2,
                    bookkeeping_context=64, peer_prompt=160, ppl_tokens=16, needle_lengths=(120,),
                    needle_depths=(0.5,), needle_tokens=3, batched_prompt=96, batched_tokens=4, app_prompt=64,
-                   app_tokens=2, lessons=False, class_students=6, prefix_preamble=96, prefix_question=8, repeats=1),
+                   app_tokens=2, lessons=False, class_students=6, prefix_preamble=96, prefix_question=8, repeats=1,
+                   sweep_prompt=96, sweep_tokens=3, sweep_budgets=1),
     "gpu": Sizes(compare_prompt=4096, compare_tokens=32, generate_prompt=4096, generate_tokens=128,
                  capture_lengths=(4096, 8192, 16384, 32768), decode_prompt=32768, decode_budget=1024,
                  decode_steps=32, bookkeeping_context=8192, peer_prompt=16384, ppl_tokens=2048, repeats=3),

@@ -3,14 +3,14 @@ they are stored; architecture methods change what is cached per token. All see t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from kvviz.cache.capture import CaptureConfig
-from kvviz.cache.spec import Budget, Method, MethodStack, SpecError
+from kvviz.cache.spec import Budget, Method, MethodStack, Sizing, SpecError
 from kvviz.cache.storage import KeptRanges
 
 
@@ -123,8 +123,34 @@ class EvictionMethod(Method):
         shares[-1] += tokens - sum(shares)
         return cls(**{name: max(1, share) for name, share in zip(budgets, shares, strict=True)})
 
+    @classmethod
+    def swept_params(cls) -> tuple[str, ...]:
+        """What :meth:`at_budget` sets: the parameters that differ between two budgets of one long prompt."""
+        small, large = cls.at_budget(256, SWEEP_PROBE_LENGTH), cls.at_budget(1024, SWEEP_PROBE_LENGTH)
+        if small is None or large is None:
+            return ()
+        return tuple(name for name, value in large.values().items() if small.values().get(name) != value)
+
+    @classmethod
+    def sweep_points(cls, shares: Sequence[float], sizing: Sizing,
+                     fixed: dict[str, Any]) -> list[tuple[float, Method]]:
+        """Keep each share of the prompt's tokens (through :meth:`at_budget`), with ``fixed`` values on top."""
+        points = []
+        for share in shares:
+            sized = cls.at_budget(Budget(share, True).tokens(sizing.prompt_length), sizing.prompt_length)
+            if sized is None:
+                return []
+            try:
+                points.append((share, cls(**(sized.changed_values() | fixed))))
+            except SpecError:
+                continue  # a fixed value this budget cannot hold (a window wider than the budget)
+        return points
+
     def check_context(self, prompt_length: int) -> None:
         """Raise SpecError when the parameters cannot work on a prompt of this length."""
+
+
+SWEEP_PROBE_LENGTH = 4096  # a prompt long enough that sizing any eviction method to a share of it needs no clamping
 
 
 
@@ -190,9 +216,34 @@ def topk_keep(scores: torch.Tensor, count: int, forced: torch.Tensor | None = No
 
 
 class QuantizationMethod(Method):
-    """Decides how entries are stored: builds one storage object per layer (see :mod:`kvviz.cache.storage`)."""
+    """Decides how entries are stored: builds one storage object per layer (see :mod:`kvviz.cache.storage`).
+
+    ``sized_by``: the parameter whose choices set the bits (a sweep tries every choice); None: the bits are fixed.
+    """
 
     kind = "quantization"
+    sized_by: ClassVar[str | None] = None
+
+    @classmethod
+    def swept_params(cls) -> tuple[str, ...]:
+        return (cls.sized_by,) if cls.sized_by else ()
+
+    @classmethod
+    def sweep_points(cls, shares: Sequence[float], sizing: Sizing,
+                     fixed: dict[str, Any]) -> list[tuple[float, Method]]:
+        """Every choice of ``sized_by`` this method accepts, each at the share of full's bits it stores (a
+        quantizer's few bit widths are its budgets; ``shares`` do not apply)."""
+        param = next((p for p in cls.params if p.name == cls.sized_by), None)
+        if param is None or param.choices is None:
+            return []
+        points = []
+        for choice in param.choices:
+            try:
+                method = cls(**(fixed | {param.name: choice}))
+            except SpecError:
+                continue  # a choice another parameter rules out (a backend's bit widths)
+            points.append((method.bits_per_element(sizing.head_dim) / (8 * sizing.bytes_per_element), method))
+        return sorted(points, key=lambda point: point[0])
 
     def new_storage(self, layer_idx: int):
         raise NotImplementedError
@@ -221,6 +272,11 @@ class ArchitectureMethod(Method):
     """
 
     kind = "architecture"
+    sized_by: ClassVar[str | None] = None  # the parameter :meth:`sweep_points` varies; None: it is not swept
+
+    @classmethod
+    def swept_params(cls) -> tuple[str, ...]:
+        return (cls.sized_by,) if cls.sized_by else ()
 
     def check_stack(self, stack: MethodStack) -> None:
         eviction = stack.eviction

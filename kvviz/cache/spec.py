@@ -10,6 +10,7 @@ importing :mod:`kvviz.methods`, which loads every method file.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -121,8 +122,21 @@ class Param:
         return value
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """What sizing a method to a share of the full cache needs to know: the prompt and the model's cache shape."""
+
+    prompt_length: int
+    kv_heads: int
+    head_dim: int
+    bytes_per_element: float
+
+
 class Method:
-    """Base of every method: a name, a kind, declared parameters, and validated values as attributes."""
+    """Base of every method: a name, a kind, declared parameters, and validated values as attributes.
+
+    ``given``: the parameters the SPEC wrote (the others took their defaults), which a sweep keeps fixed.
+    """
 
     name: ClassVar[str] = ""
     kind: ClassVar[str] = ""  # one of KINDS
@@ -135,6 +149,7 @@ class Method:
             if key not in known:
                 valid = ", ".join(known) or "none"
                 raise SpecError(f"unknown parameter '{key}' for {self.name}; valid: {valid}")
+        self.given = frozenset(values)
         for param in self.params:
             raw = values.get(param.name, param.default)
             setattr(self, param.name, param.parse(self.name, raw))
@@ -149,14 +164,27 @@ class Method:
     def values(self) -> dict[str, Any]:
         return {p.name: getattr(self, p.name) for p in self.params}
 
+    def changed_values(self) -> dict[str, Any]:
+        """The parameters that differ from their defaults (what the canonical SPEC writes)."""
+        return {p.name: getattr(self, p.name) for p in self.params
+                if getattr(self, p.name) != p.parse(self.name, p.default)}
+
     def spec(self) -> str:
         """The canonical SPEC text: only parameters that differ from their defaults."""
-        changed = [
-            f"{p.name}={_format_value(getattr(self, p.name))}"
-            for p in self.params
-            if getattr(self, p.name) != p.parse(self.name, p.default)
-        ]
+        changed = [f"{name}={_format_value(value)}" for name, value in self.changed_values().items()]
         return self.name + (":" + ",".join(changed) if changed else "")
+
+    @classmethod
+    def swept_params(cls) -> tuple[str, ...]:
+        """The parameters a sweep varies to size this method (its free parameter); () when it cannot be sized."""
+        return ()
+
+    @classmethod
+    def sweep_points(cls, shares: Sequence[float], sizing: Sizing,
+                     fixed: dict[str, Any]) -> list[tuple[float, Method]]:
+        """This method at each budget, as (the share of full it was sized to, the method), keeping ``fixed`` values;
+        [] when it cannot be sized. ``shares`` lie in (0, 1]; each method reads them along its own axis."""
+        return []
 
     def __repr__(self) -> str:
         return f"<{self.spec()}>"

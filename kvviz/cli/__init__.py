@@ -22,7 +22,8 @@ from kvviz.runtime.settings import SettingsError
 USAGE_ERROR = 2
 INTERNAL_ERROR = 1
 USER_MISTAKES = (UsageError, SpecError, ModelError, SettingsError, PromptError)
-COMMANDS = ("prepare", "config", "info", "methods", "compare", "ppl", "needle", "axes", "tail", "bench", "prefix")
+COMMANDS = ("prepare", "config", "info", "methods", "compare", "ppl", "needle", "axes", "tail", "bench", "prefix",
+            "sweep")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -263,6 +263,41 @@ def _fork_rows(session: PromptSession, stacks: list[MethodStack], progress: Prog
     return rows
 
 
+def teacher_forced(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int = 64,
+                   progress: Progress | None = None, reuse_prefix: bool = True) -> list[MethodResult]:
+    """Full free-running (greedy) and every other SPEC teacher-forced on full's tokens from the first step, all in
+    one batch after one shared prefill: what a sweep measures (no method's own continuation is decoded).
+
+    Each result's agreement, KL and first divergence equal :func:`compare`'s for that SPEC; its text and tokens
+    are full's, its bytes and ledger those of a cache fed full's tokens. ``full`` comes first (added if missing).
+    """
+    stacks = [parse_spec(spec) for spec in specs]
+    stacks = [parse_spec("full")] + [s for s in stacks if s.label != "full"]
+    with loaded.lock:  # released before the decode: the running batch takes it step by step
+        session = PromptSession(loaded, prompt_ids, reuse_prefix)
+        session.prefill(capture_for(stacks))
+        rows = _fork_rows(session, stacks, progress)
+    full = rows[0]
+    if full.error is not None:
+        return [_error_result(row.label, full.error) for row in rows]
+    for row in rows[1:]:
+        row.follows = full
+    report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
+    group = DecodeGroup(rows, max_new_tokens, session.eos_ids, keep_logprobs=True, progress=report)
+    shared_decoder(loaded).decode(group)
+    if group.error is not None:
+        raise group.error
+    results = []
+    for row in rows:
+        if row.error is not None:
+            results.append(_error_result(row.label, row.error))
+            continue
+        result = session.result(row.stack, row.cache, row.trace, row.seconds)
+        _score(result, full.trace.step_logprobs, row.trace.step_logprobs)
+        results.append(result)
+    return results
+
+
 def _decode_rows(session: PromptSession, rows: list[Row], max_new_tokens: int, sampling: Sampling | None,
                  progress: Progress | None) -> list[MethodResult]:
     """Decode the rows in the model's running batch (with other runs' rows, when other runs decode now:

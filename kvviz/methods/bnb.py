@@ -69,6 +69,7 @@ class Bnb(QuantizationMethod):
     name = "bnb"
     summary = "bitsandbytes blockwise quantization of K/V: NF4, FP4 or int8, one absmax per token and head."
     params = (Param("type", str, "nf4", "bitsandbytes data type", choices=("nf4", "fp4", "int8")),)
+    sized_by = "type"
 
     def new_storage(self, layer_idx: int) -> BnbStorage:
         _functional()

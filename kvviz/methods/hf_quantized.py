@@ -93,6 +93,7 @@ class HFQuantized(QuantizationMethod):
         Param("residual", int, 128, "full-precision tokens collected before the cache is re-quantized",
               min=1, max=65536),
     )
+    sized_by = "nbits"
 
     def validate(self) -> None:
         allowed = BACKENDS[self.backend][2]

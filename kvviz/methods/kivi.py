@@ -169,6 +169,7 @@ class GroupQuantMethod(QuantizationMethod):
     """Shared by KIVI and the per-token baseline: parameters, storage and the stacking rule."""
 
     keys_per_channel = True
+    sized_by = "bits"
 
     def new_storage(self, layer_idx: int) -> GroupQuantStorage:
         return GroupQuantStorage(self.bits, self.group, self.residual, self.keys_per_channel)

@@ -21,23 +21,40 @@ Palu (Chang et al. 2024) and MHA2MLA (Ji et al. 2025), without their fine-tuning
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from kvviz.cache.architecture import ArchitectureStorage
 from kvviz.cache.protocol import ArchitectureMethod
-from kvviz.cache.spec import MethodStack, Param, SpecError, register
+from kvviz.cache.spec import MethodStack, Param, Sizing, SpecError, register
 from kvviz.cache.storage import KeptRanges, KVStorage, gather_tokens, take_ranges, tensor_bytes
+
+_BASES: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # a covariance's digest -> its eigenvectors, newest last
+BASES_KEPT = 128  # two per layer (keys, values) of a few prompts: a sweep over ranks decomposes each layer once
 
 
 def principal_directions(samples: torch.Tensor, rank: int) -> torch.Tensor:
     """[features, rank] orthonormal directions of largest uncentred variance of ``samples`` [N, features].
 
     The eigendecomposition of the feature covariance always returns a complete basis, so a full rank reconstructs
-    exactly even when the prompt has fewer tokens than features.
+    exactly even when the prompt has fewer tokens than features. Every rank of one prompt reads the same basis, so
+    the decomposition is kept by the covariance's content (a digest of its bytes) and reused.
     """
     data = samples.double()
-    _, vectors = torch.linalg.eigh(data.T @ data)  # ascending eigenvalues
-    return vectors.flip(-1)[:, :rank]
+    covariance = data.T @ data
+    digest = hashlib.sha256(covariance.cpu().numpy().tobytes()).digest()
+    vectors = _BASES.get(digest)
+    if vectors is None:
+        vectors = torch.linalg.eigh(covariance)[1].flip(-1)  # eigh: ascending eigenvalues
+        _BASES[digest] = vectors
+        while len(_BASES) > BASES_KEPT:
+            _BASES.popitem(last=False)
+    _BASES.move_to_end(digest)
+    return vectors[:, :rank]
 
 
 class LatentStorage(ArchitectureStorage):
@@ -114,6 +131,18 @@ class LowRank(ArchitectureMethod):
               min=1, max=65536),
         Param("v_rank", int, 0, "latent size for the values; 0 = the same as rank", min=0, max=65536),
     )
+    sized_by = "rank"
+
+    @classmethod
+    def sweep_points(cls, shares: Sequence[float], sizing: Sizing,
+                     fixed: dict[str, Any]) -> list[tuple[float, LowRank]]:
+        """The rank holding each share of the model's ``kv_heads * head_dim`` elements per token and layer."""
+        width = sizing.kv_heads * sizing.head_dim
+        points = []
+        for share in shares:
+            method = cls(**(fixed | {"rank": max(1, round(share * width))}))
+            points.append((method.cache_fraction(sizing.kv_heads, sizing.head_dim), method))
+        return points
 
     @property
     def value_rank(self) -> int:

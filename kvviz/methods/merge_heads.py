@@ -12,11 +12,14 @@ quantizer stores the merged heads. At ``G = kv_heads`` nothing is pooled and the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from kvviz.cache.architecture import ArchitectureStorage
 from kvviz.cache.protocol import ArchitectureMethod
-from kvviz.cache.spec import Param, SpecError, register
+from kvviz.cache.spec import Param, Sizing, SpecError, register
 from kvviz.cache.storage import KVStorage
 
 
@@ -59,6 +62,15 @@ class MergeHeads(ArchitectureMethod):
                "the cache holds that many heads per layer.")
     params = (Param("kv_heads", int, 1, "KV heads kept per layer; must divide the model's KV head count (1 = MQA)",
                     min=1, max=1024),)
+    sized_by = "kv_heads"
+
+    @classmethod
+    def sweep_points(cls, shares: Sequence[float], sizing: Sizing,
+                     fixed: dict[str, Any]) -> list[tuple[float, MergeHeads]]:
+        """Every head count that divides the model's and is below it (its few values are its budgets)."""
+        heads = sizing.kv_heads
+        return [(groups / heads, cls(**(fixed | {"kv_heads": groups})))
+                for groups in range(1, heads) if heads % groups == 0]
 
     def check_model(self, kv_heads: int, head_dim: int) -> None:
         if kv_heads % self.kv_heads:

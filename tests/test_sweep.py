@@ -1,0 +1,171 @@
+"""The trade-off sweep: families sized along every axis, the frontier, and points that equal compare's."""
+
+import math
+
+import pytest
+import torch
+
+from kvviz.engine.session import compare, teacher_forced
+from kvviz.methods import Sizing, SpecError
+from kvviz.studies.frontier import AGREEMENT, PERPLEXITY, Candidate, on_frontier, recommendation
+from kvviz.studies.sweep import (
+    PromptWorkload,
+    TaskWorkload,
+    TextWorkload,
+    check_workload,
+    family_specs,
+    plan,
+    read_family,
+    run_sweep,
+)
+
+SIZING = Sizing(prompt_length=1024, kv_heads=3, head_dim=64, bytes_per_element=4)
+BUDGETS = [0.0625, 0.125, 0.25, 0.5]
+
+
+def test_frontier_drops_dominated_points_and_keeps_ties():
+    points = [(100, 0.9), (100, 0.9), (50, 0.5), (60, 0.4), (200, 0.9), (200, 1.0), (10, None), (None, 1.0)]
+    assert on_frontier(points, AGREEMENT) == [True, True, True, False, False, True, False, False]
+
+
+def test_frontier_reads_lower_as_better_for_perplexity():
+    assert on_frontier([(100, 12.0), (50, 15.0), (80, 16.0), (300, 11.0)], PERPLEXITY) == [True, True, False, True]
+
+
+def test_single_point_families_reach_the_frontier_only_when_nothing_beats_them():
+    alone = on_frontier([(10, 0.3)], AGREEMENT)
+    beaten = on_frontier([(10, 0.3), (5, 0.3)], AGREEMENT)
+    assert alone == [True] and beaten == [False, True]
+
+
+def test_recommendation_names_the_best_point_and_the_best_of_every_other_kind():
+    candidates = [Candidate("full", "fixed", 1.0, 1.0), Candidate("kivi:bits=4", "quantization", 4.2, 0.97),
+                  Candidate("snapkv:budget=0.25", "eviction", 4.0, 0.62), Candidate("snapkv:budget=0.5", "eviction",
+                                                                                    2.0, 0.9)]
+    lines = recommendation(candidates, AGREEMENT, "On this prompt")
+    assert lines[0].startswith("On this prompt, at 2x smaller than full or more, kivi:bits=4 keeps 97%")
+    assert lines[1] == ("On this prompt, at 4x smaller than full or more, kivi:bits=4 keeps 97% agreement with full; "
+                        "the best eviction (snapkv:budget=0.25) keeps 62%.")
+    assert len(lines) == 2  # nothing reaches 8x
+    assert recommendation([candidates[0]], AGREEMENT, "On x") == ["On x, no configuration was measured below full's "
+                                                                  "size."]
+
+
+@pytest.mark.parametrize(("spec", "member", "swept", "kind"), [
+    ("snapkv", "snapkv", ("budget",), "eviction"),
+    ("kivi", "kivi", ("bits",), "quantization"),
+    ("lowrank", "lowrank", ("rank",), "architecture"),
+    ("merge_heads", "merge_heads", ("kv_heads",), "architecture"),
+    ("snapkv+kivi:bits=4", "snapkv", ("budget",), "stack"),
+    ("lowrank+snapkv:budget=0.25", "lowrank", ("rank",), "stack"),
+    ("kvpress_native:press=knorm", "kvpress_native", ("compression_ratio",), "eviction"),
+    ("snapkv:budget=256", None, (), "fixed"),
+    ("fp8", None, (), "fixed"),
+])
+def test_a_family_frees_the_parameter_its_method_sizes(spec, member, swept, kind):
+    family = read_family(spec)
+    assert (family.member, family.swept, family.kind) == (member, swept, kind)
+
+
+def test_a_family_swept_through_every_axis():
+    tokens = family_specs(read_family("snapkv:window=8"), BUDGETS, SIZING)
+    assert tokens == [(0.0625, "snapkv:budget=64,window=8"), (0.125, "snapkv:budget=128,window=8"),
+                      (0.25, "snapkv:budget=256,window=8"), (0.5, "snapkv:budget=512,window=8")]
+    bits = family_specs(read_family("kivi:residual=0"), BUDGETS, SIZING)
+    assert [spec for _, spec in bits] == ["kivi:residual=0", "kivi:bits=4,residual=0", "kivi:bits=8,residual=0"]
+    assert [share for share, _ in bits] == pytest.approx([3 / 32, 5 / 32, 9 / 32])  # codes + fp16 scale and zero
+    latent = family_specs(read_family("lowrank"), BUDGETS, SIZING)
+    assert [spec for _, spec in latent] == ["lowrank:rank=12", "lowrank:rank=24", "lowrank:rank=48", "lowrank"]
+    heads = family_specs(read_family("merge_heads"), BUDGETS, SIZING)
+    assert heads == [(pytest.approx(1 / 3), "merge_heads")]  # the one divisor of 3 below 3: a single point
+    stack = family_specs(read_family("snapkv+kivi:bits=4"), [0.25], SIZING)
+    assert stack == [(0.25, "snapkv:budget=256+kivi:bits=4")]
+    native = family_specs(read_family("kvpress_native:press=knorm"), [0.25], SIZING)
+    assert native == [(0.25, "kvpress_native:press=knorm,compression_ratio=0.75")]
+
+
+def test_budgets_that_give_the_same_configuration_give_one_point():
+    small = Sizing(prompt_length=8, kv_heads=3, head_dim=64, bytes_per_element=4)
+    specs = [spec for _, spec in family_specs(read_family("streaming_llm"), [0.01, 0.02, 1.0], small)]
+    assert len(specs) == len(set(specs)) == 2
+
+
+@pytest.mark.parametrize(("specs", "budgets", "message"), [
+    (["snapkv+kivi"], BUDGETS, "leaves snapkv's budget and kivi's bits free"),
+    (["fp8", "snapkv:budget=256"], BUDGETS, "nothing to sweep: fp8, snapkv:budget=256 have no free parameter"),
+    (["snapkv"], [0.25, 1.5], "budget 1.5 is outside (0, 1]"),
+    (["snapkv"], [0.0], "budget 0 is outside (0, 1]"),
+    (["nosuch"], BUDGETS, "unknown method 'nosuch'"),
+])
+def test_plan_refuses_with_one_line(specs, budgets, message):
+    with pytest.raises((ValueError, SpecError), match=message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        plan(specs, budgets, SIZING)
+    assert "\n" not in str(caught.value)
+
+
+def test_unknown_task_is_one_line():
+    with pytest.raises(ValueError, match="unknown task 'sudoku'; choose needle, multikey, multivalue, vartrack"):
+        check_workload(TaskWorkload("sudoku"))
+
+
+def test_fixed_configurations_join_a_sweep_as_one_point_each():
+    _, points = plan(["snapkv", "fp8"], [0.25, 0.5], SIZING)
+    assert [(family.spec, share, spec) for family, share, spec in points] == [
+        ("snapkv", 0.25, "snapkv:budget=256"), ("snapkv", 0.5, "snapkv:budget=512"), ("fp8", None, "fp8")]
+
+
+SAME_AS_COMPARE = ["snapkv", "snapkv+kivi:bits=4,residual=0", "kvpress_native:press=knorm", "streaming_llm"]
+
+
+def test_a_sweep_point_equals_the_same_spec_run_alone_through_compare(real_model, story_ids):
+    sizing = Sizing(len(story_ids), 3, 64, 4)
+    specs = [spec for _, _, spec in plan(SAME_AS_COMPARE, [0.25], sizing)[1]]
+    assert len(specs) == len(SAME_AS_COMPARE)
+    forced = teacher_forced(real_model, story_ids, specs, 6)  # what run_sweep measures a prompt with
+    assert [r.method for r in forced] == ["full", *specs]
+    assert forced[0].agreement_with_full == 1.0 and forced[0].mean_kl == 0.0
+    for point in forced[1:]:
+        assert point.error is None, point.error
+        full, alone = compare(real_model, story_ids, [point.method], 6).results
+        assert alone.method == point.method
+        assert point.agreement_with_full == alone.agreement_with_full
+        assert point.first_divergence == alone.first_divergence
+        assert math.isclose(point.mean_kl, alone.mean_kl, rel_tol=1e-3, abs_tol=1e-5)
+        assert point.kv_bytes_full == full.kv_bytes
+        if len(alone.token_ids) == len(full.token_ids):  # bytes and kept entries count the tokens fed
+            assert point.kv_bytes == alone.kv_bytes
+            if point.ledger is not None or alone.ledger is not None:  # the same entries in every layer and head
+                assert torch.equal(point.ledger.evicted_at, alone.ledger.evicted_at), point.method
+
+
+def test_the_frontier_and_summary_of_a_prompt_sweep(real_model, story_ids):
+    report = run_sweep(real_model, PromptWorkload(tuple(story_ids), 4), ["streaming_llm", "kivi:residual=0"],
+                       [0.125, 0.5])
+    data = report.to_json()
+    assert set(data) >= {"model", "prompt_tokens", "workload", "points"}
+    assert data["prompt_tokens"] == len(story_ids)
+    on = [p for p in report.points if p.frontier]
+    assert on and all(p.agreement_with_full is not None for p in on)
+    assert set(report.frontiers) == {"agreement_with_full", "mean_kl"}
+    assert report.summary[-1].startswith("One prompt is a demonstration, not a benchmark")
+    assert all(p.factors is not None for p in report.points)
+    assert report.markdown().count("\n") == len(report.points) + 1
+
+
+def test_a_text_sweep_reports_perplexity_and_refuses_prompt_only_evictions_per_point(tiny_model):
+    report = run_sweep(tiny_model, TextWorkload("hamlet", 48), ["streaming_llm", "snapkv:budget=0.25"], [0.25])
+    by_spec = {p.spec: p for p in report.points}
+    assert by_spec["full"].perplexity > 0 and by_spec["full"].compression == 1.0
+    assert by_spec["streaming_llm:window=8"].compression > 1.5
+    assert "compresses a prompt once" in by_spec["snapkv:budget=0.25"].error
+    assert all(p.agreement_with_full is None and p.accuracy is None for p in report.points)
+
+
+def test_a_task_sweep_scores_calibrated_items(real_model):
+    report = run_sweep(real_model, TaskWorkload("needle", 192, (0.5,)), ["streaming_llm"], [0.0625])
+    full = report.points[0]
+    if full.error:  # the full cache missed the only item: every point says so instead of scoring
+        assert all(p.error == full.error for p in report.points)
+        return
+    assert full.accuracy == 1.0 and all(p.accuracy is not None for p in report.points)
+    assert min(p.compression for p in report.points) >= 1.0

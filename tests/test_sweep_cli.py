@@ -1,0 +1,51 @@
+"""python -m kvviz sweep: the JSON schema, the Markdown rows, and every mistake as one line with exit code 2."""
+
+import json
+import math
+
+import pytest
+
+from kvviz.cli import main, options
+
+POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_with_full", "mean_kl", "accuracy",
+              "perplexity", "frontier"}
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--task", "needle", "--method", "fp8"], "nothing to sweep: fp8 has no free parameter"),
+    (["--task", "needle", "--method", "snapkv", "--budgets", "0.25,1.5"], "budget 1.5 is outside (0, 1]"),
+    (["--task", "sudoku", "--method", "snapkv"], "unknown task 'sudoku'; choose needle, multikey, multivalue"),
+    (["--task", "needle", "--method", "snapkv+kivi"], "leaves snapkv's budget and kivi's bits free"),
+    (["--method", "snapkv"], "give the workload as --prompt-file FILE, --play NAME or --task TASK"),
+    (["--task", "needle"], "give at least one --method SPEC"),
+    (["--task", "needle", "--method", "snapkv", "--budgets", "a,b"], "bad --budgets 'a,b'"),
+])
+def test_mistakes_are_one_line_before_any_model_work(extra, message, capsys, monkeypatch):
+    monkeypatch.setattr(options, "load", lambda args: pytest.fail("a mistake must be reported before loading a model"))
+    assert main(["sweep", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_json_holds_every_point_with_the_schema_keys(tiny_model, monkeypatch, capsys, tmp_path):
+    monkeypatch.setattr(options, "load", lambda args: tiny_model)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    out = tmp_path / "sweep.json"
+    code = main(["sweep", "--prompt-file", str(prompt), "--method", "streaming_llm", "--method", "fp8",
+                 "--budgets", "0.125,0.5", "--max-new-tokens", "3", "--json", str(out), "--quiet", "--markdown"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert {"model", "prompt_tokens", "workload", "points"} <= set(data)
+    sinks, n = 4, data["prompt_tokens"]  # streaming_llm sized: four sinks, the rest of the share a recent window
+    assert [p["spec"] for p in data["points"]] == ["full", f"streaming_llm:window={math.ceil(n / 8) - sinks}",
+                                                   f"streaming_llm:window={math.ceil(n / 2) - sinks}", "fp8"]
+    for point in data["points"]:
+        assert POINT_KEYS <= set(point)
+        assert point["accuracy"] is None and point["perplexity"] is None  # measures of other workloads
+        assert point["agreement_with_full"] is not None and point["kv_bytes"] > 0
+    assert data["points"][-1]["budget"] is None and data["points"][-1]["family"] == "fp8"
+    assert any(p["frontier"] for p in data["points"])
+    printed = capsys.readouterr().out
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 1 + len(data["points"])  # the header and one row per point

@@ -1,0 +1,151 @@
+"""Trade-offs: every family of methods across its budgets, quality against memory, and the frontier."""
+
+import json
+
+import streamlit as st
+
+from kvviz.lessons import STORY_QUESTION
+from kvviz.methods import REGISTRY, SpecError
+from kvviz.runs import SweepRequest
+from kvviz.studies.frontier import MEASURES
+from kvviz.studies.perplexity import play_names
+from kvviz.studies.sweep import DEFAULT_BUDGETS, SWEEP_TASKS, check_sweep, read_family
+from kvviz_app.chrome import page_header, require_model, settings
+from kvviz_app.inputs import encode, prompt_input
+from kvviz_app.queue import run_request
+from kvviz_app.tradeoffs import compare_link, tradeoff_figure
+
+DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py)
+DEFAULT_FAMILIES = ("snapkv", "streaming_llm", "h2o", "kivi:residual=0", "snapkv+kivi:bits=4,residual=0")
+BUDGET_CHOICES = (0.03125, 0.0625, 0.125, 0.25, 0.5, 0.75)
+WORKLOADS = {"Your prompt": "prompt", "A task": "task", "A play": "text"}
+
+page_header("Trade-offs", "Trade-offs: quality against memory",
+            "Which configuration should you deploy at your memory budget, and what does it lose? Each family is "
+            "one method (or stack) with one parameter left free, swept across the budgets; every point is "
+            "measured. The frontier marks the configurations nothing beats on both memory and quality.")
+
+loaded = require_model()
+
+
+@st.cache_data(show_spinner=False)
+def family_choices() -> dict[str, str]:
+    """SPEC -> what it sweeps: the default families, every registered method, and each kvpress press natively."""
+    from kvviz.methods.kvpress.catalog import press_catalog
+
+    names = [n for n in sorted(REGISTRY) if n != "full" and n != "kvpress_native"]
+    specs = [*DEFAULT_FAMILIES, *names, *(f"kvpress_native:press={p}" for p in sorted(press_catalog()))]
+    choices = {}
+    for spec in dict.fromkeys(specs):
+        try:
+            family = read_family(spec)
+        except SpecError:
+            continue  # a press that cannot run here (needs a download, or cannot be mapped)
+        choices[spec] = "one point" if family.member is None else f"sweeps {', '.join(family.swept)}"
+    return choices
+
+
+with st.sidebar:
+    st.subheader("Workload")
+    workload = WORKLOADS[st.radio("Quality measured on", list(WORKLOADS), key="sweep_workload",
+                                  help="Your prompt: agreement with full's continuation (teacher-forced). A task: "
+                                       "accuracy on items the full cache gets right. A play: streaming perplexity.")]
+    budgets = st.multiselect("Budgets (share of the full cache)", list(BUDGET_CHOICES), list(DEFAULT_BUDGETS),
+                             format_func=lambda b: f"1/{round(1 / b)}" if round(1 / b) * b == 1 else f"{b:.0%}",
+                             key="sweep_budgets",
+                             help="Evictions keep this share of the tokens, lowrank this share of the width; a "
+                                  "quantizer's bit widths and merge_heads' head counts are their own budgets.")
+    cap = settings().max_new_tokens
+    max_new = st.number_input("Teacher-forced tokens", 1, cap, min(cap, 24), key="sweep_max_new",
+                              disabled=workload != "prompt")
+    chat = st.toggle("Chat template", True, key="sweep_chat", disabled=workload != "prompt")
+
+prompt_text: str | None = None
+ids: list[int] | None = None
+if workload == "prompt":
+    prompt_text = prompt_input("sweep", DEFAULT_PROMPT)
+    ids = encode(loaded, prompt_text, chat, int(max_new))
+elif workload == "task":
+    left, right = st.columns(2)
+    task = left.selectbox("Task", list(SWEEP_TASKS), key="sweep_task")
+    task_length = right.select_slider("Prompt length (tokens)", [256, 512, 1024], 512, key="sweep_task_length")
+else:
+    left, right = st.columns(2)
+    try:
+        plays = play_names()
+    except LookupError as error:
+        st.error(str(error))
+        st.stop()
+    play = left.selectbox("Play", plays, plays.index("hamlet") if "hamlet" in plays else 0, key="sweep_play")
+    play_tokens = right.select_slider("Tokens scored", [256, 512, 1024], 512, key="sweep_play_tokens")
+
+choices = family_choices()
+families = st.multiselect("Families", list(choices), [f for f in DEFAULT_FAMILIES if f in choices],
+                          format_func=lambda spec: f"{spec} · {choices[spec]}", key="sweep_families",
+                          help="A method named without its budget is a family; one with every parameter fixed "
+                               "(fp8) is one point.")
+extra = st.text_input("More families or fixed SPECs (separated by spaces)", "", key="sweep_extra",
+                      placeholder="lowrank+snapkv:budget=0.25  merge_heads+kivi:bits=4")
+specs = list(dict.fromkeys([*families, *extra.split()]))
+
+problem = None
+try:
+    check_sweep(specs, sorted(budgets))
+except ValueError as error:
+    problem = str(error)
+    st.error(problem)
+ready = problem is None and (workload != "prompt" or ids is not None)
+if st.button("Run the sweep", type="primary", disabled=not ready):
+    if workload == "prompt":
+        request = SweepRequest.on_prompt(ids, specs, sorted(budgets), int(max_new))
+    elif workload == "task":
+        request = SweepRequest.on_task(task, specs, sorted(budgets), int(task_length))
+    else:
+        request = SweepRequest.on_play(play, int(play_tokens), specs, sorted(budgets))
+    st.session_state["sweep_request"] = request
+    st.session_state["sweep_prompt"] = prompt_text if workload == "prompt" else None
+
+request = st.session_state.get("sweep_request")
+if request is None:
+    st.info("Choose the workload, the families and the budgets, then press **Run the sweep**.")
+    st.stop()
+try:
+    report = run_request(loaded, request, "Sizing every family…", request_key="sweep_request")
+except ValueError as error:
+    st.error(str(error))
+    st.stop()
+
+count = len(report.points)
+st.success(f"{count} configuration{'s' if count != 1 else ''} on {report.workload} in {report.seconds:.1f} s.")
+for line in report.summary:
+    st.markdown(f"- {line}")
+for note in report.notes:
+    st.caption(note)
+
+measure = report.main_measure
+if len(report.frontiers) > 1:
+    measure = st.radio("Quality measure", list(report.frontiers), format_func=lambda k: MEASURES[k].label,
+                       horizontal=True, key="sweep_measure")
+st.plotly_chart(tradeoff_figure(report, measure), width="stretch")
+
+prompt = st.session_state.get("sweep_prompt")
+compare_tokens = getattr(request.workload, "max_new_tokens", 24)
+table = report.to_frame()
+table["frontier"] = table["spec"].isin(report.frontiers[measure])
+table["open"] = [compare_link(spec, prompt, chat, compare_tokens) for spec in table["spec"]]
+shown = [c for c in ("spec", "family", "budget", "kv_bytes", "compression", *report.frontiers, "first_divergence",
+                     "frontier", "open", "error") if c in table and (c != "error" or table[c].notna().any())]
+st.subheader("Every point")
+st.dataframe(table[shown], hide_index=True, width="stretch", column_config={
+    "compression": st.column_config.NumberColumn("compression", format="%.2fx"),
+    "kv_bytes": st.column_config.NumberColumn("KV bytes", format="%d"),
+    "open": st.column_config.LinkColumn("in Compare", display_text="open"),
+    **{key: st.column_config.NumberColumn(MEASURES[key].label, format="%.3f") for key in report.frontiers},
+})
+st.caption("Open a point in Compare to see what it keeps and where its output parts from full's.")
+
+left, right = st.columns(2)
+left.download_button("Points as CSV", table.drop(columns=["open"]).to_csv(index=False), "kvviz-sweep.csv",
+                     "text/csv")
+right.download_button("Sweep as JSON", json.dumps(report.to_json(), indent=1), "kvviz-sweep.json",
+                      "application/json")
