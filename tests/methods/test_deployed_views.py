@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvviz.methods import REGISTRY
+from kvviz.methods import REGISTRY, parse_spec
 from kvviz_app import widgets
 
 DEPLOYED = {"fp8": "quantization", "adakv": "eviction", "pyramidkv": "eviction", "per_layer": "eviction",
@@ -26,4 +26,4 @@ def test_listed_by_the_cli_with_their_parameters():
 @pytest.mark.parametrize("name, kind", sorted(DEPLOYED.items()))
 def test_offered_by_the_compare_widgets(name, kind):
     assert name in widgets.methods_of(kind)
-    assert widgets._initial_values(name)[kind] == name
+    assert widgets._initial_values(parse_spec(name))[kind] == name
