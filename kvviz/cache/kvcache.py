@@ -80,7 +80,7 @@ class KVLayer(FirstUpdateLayer):
         self.layer_idx, self.layer_count = layer_idx, layer_count
         self.storage = storage
         self.eviction = eviction
-        self.decode = eviction.schedule.decode if eviction is not None else Decode.NEVER
+        self.decode = eviction.schedule.decode if eviction is not None else Decode.NEVER  # when it selects
         self.ledger = ledger
         self.protected = protected  # absolute positions no eviction may drop (kvviz.cache.protect), or None
         self.rerotation = rerotation

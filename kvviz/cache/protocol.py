@@ -47,14 +47,17 @@ class LayerView:
 
 
 class Decode(Enum):
-    """When the cache calls :meth:`EvictionMethod.select` at each decode step."""
+    """When the cache calls :meth:`EvictionMethod.select` at each decode step.
 
-    AFTER_APPEND = "after append"  # right after the new entries are appended, before attention: attention never
-    # sees more than the budget
-    AFTER_ATTENTION = "after attention"  # after attention, with the new queries' probabilities (H2O, TOVA): the cache
-    # holds one token over budget while attending
-    NEVER = "never"  # the prompt is compressed once and every token that arrives is kept (SnapKV, kvpress presses),
-    # so a token-by-token stream (streaming perplexity) never compresses
+    AFTER_APPEND: right after the new entries are appended, before attention, so attention never sees more than the
+    budget. AFTER_ATTENTION: after attention, with the new queries' probabilities (H2O, TOVA); the cache holds one
+    token over budget while attending. NEVER: the prompt is compressed once and every token that arrives is kept
+    (SnapKV, kvpress presses), so a token-by-token stream (streaming perplexity) never compresses.
+    """
+
+    AFTER_APPEND = "after append"
+    AFTER_ATTENTION = "after attention"
+    NEVER = "never"
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,8 @@ class EvictionMethod(Method):
         return None
 
     def select(self, view: LayerView) -> torch.Tensor | KeptRanges | None:
-        """During decoding: indices [B, H_kv, n] (ascending) of entries to keep, or :class:`KeptRanges` when every
-        head keeps the same ranges (cheaper to apply), or None to keep all."""
+        """During decoding, when the schedule says (:class:`Decode`): indices [B, H_kv, n] (ascending) of entries to
+        keep, or :class:`KeptRanges` when every head keeps the same ranges (cheaper to apply), or None to keep all."""
         return None
 
     def budget_for(self, prompt_length: int) -> int | None:

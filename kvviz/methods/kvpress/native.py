@@ -41,8 +41,7 @@ class KVPressNative(EvictionMethod):
     name = "kvpress_native"
     summary = ("Any kvpress press (or your own, via KVVIZ_PRESSES) run by kvpress itself during prefill; kvviz maps "
                "what the press left back to token positions per layer and KV head.")
-    schedule = Schedule(Decode.NEVER, own_prefill=True)  # the press's hooks must run during the prompt's forward:
-    # kvviz's shared prefill cannot serve
+    schedule = Schedule(Decode.NEVER, own_prefill=True)  # its hooks compress during the prompt's own forward
     params = (
         Param("press", str, "snapkv", "kvpress press by name (python -m kvviz methods --kvpress lists them)"),
     )
