@@ -8,7 +8,9 @@ positions, or in-cache positions when a method re-rotates).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -17,20 +19,39 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from kvviz.cache.attention import KeyPart
 from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.protect import with_protected
-from kvviz.cache.protocol import EvictionMethod, LayerView
+from kvviz.cache.protocol import Decode, EvictionMethod, LayerView
+from kvviz.cache.rotation import KeyRerotation, KeyRotator
 from kvviz.cache.spec import MethodStack, SpecError
 from kvviz.cache.storage import DenseStorage, KeptRanges, KVStorage, MergedKeep, RaggedKeep, StorageBytes, take_ranges
 
 
 @dataclass
-class Rerotation:
-    """The rotary positions keys end at (``target`` [T]), the entries whose keys move (``changed``) and the cos/sin
-    of their rotation."""
+class StepContext:
+    """What a cache tells its layers about the forward under way (:meth:`KVLayer.begin_step`): one object for every
+    layer, which copies the new tokens' positions to a device once for all of them (a copy per layer made each GPU
+    decode step wait on the host 2 x layers times).
 
-    target: torch.Tensor
-    changed: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
+    step: 0 for the prompt (its forward and its compression), s >= 1 for the s-th token fed after it.
+    absolute, rotary: [new] absolute positions of the tokens fed and the rotary positions their keys carry (CPU).
+    evicting: the method may evict as tokens arrive (a forked cache decoding; not the dense prefill).
+    """
+
+    step: int = 0
+    prompt_length: int = 0
+    absolute: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    rotary: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
+    evicting: bool = False
+    rotary_end: int = field(init=False)  # one past the newest token's rotary position
+    _on_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.rotary_end = int(self.rotary.max()) + 1 if self.rotary.numel() else 0
+
+    def positions_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' absolute and rotary positions on ``device``."""
+        if self._on_device is None or self._on_device[0] != device:
+            self._on_device = (device, self.absolute.to(device), self.rotary.to(device))
+        return self._on_device[1], self._on_device[2]
 
 
 class FirstUpdateLayer(CacheLayerMixin):
@@ -42,38 +63,57 @@ class FirstUpdateLayer(CacheLayerMixin):
 
 
 class KVLayer(FirstUpdateLayer):
-    """One layer's cache: a storage, the positions of its entries, and the eviction method's state."""
+    """One layer's cache: a storage, the positions of its entries, and the eviction method's state.
+
+    It is given what it works with when built (its index of ``layer_count``, the method, the ledger it records
+    into, the absolute positions no eviction may drop, the shared key re-rotation, a maker of empty storages in the
+    stack's format) and each forward's step and positions in :meth:`begin_step`: it reads nothing from the cache
+    that holds it, so one layer can be built and tested alone.
+    """
 
     is_sliding = False
 
-    def __init__(self, layer_idx: int, owner: KVCache, storage: KVStorage, eviction: EvictionMethod | None):
+    def __init__(self, layer_idx: int, layer_count: int, storage: KVStorage, eviction: EvictionMethod | None = None,
+                 ledger: EvictionLedger | None = None, protected: torch.Tensor | None = None,
+                 rerotation: KeyRerotation | None = None, new_storage: Callable[[], KVStorage] = DenseStorage):
         super().__init__()
-        self.layer_idx = layer_idx
-        self.owner = owner
+        self.layer_idx, self.layer_count = layer_idx, layer_count
         self.storage = storage
         self.eviction = eviction
+        self.decode = eviction.schedule.decode if eviction is not None else Decode.NEVER  # when it selects
+        self.ledger = ledger
+        self.protected = protected  # absolute positions no eviction may drop (kvviz.cache.protect), or None
+        self.rerotation = rerotation
+        self.new_storage = new_storage
+        self.context = StepContext()
         self.state = eviction.new_state(layer_idx) if eviction is not None else None
         self.positions: torch.Tensor | None = None  # [B, H_kv, T] absolute positions
         self.rotary: torch.Tensor | None = None  # [B, H_kv, T] positions the keys are rotated to
         self.padding: torch.Tensor | None = None  # [B, H_kv, T] True on padding slots once heads keep unequal counts
         self.blocked: torch.Tensor | None = None  # [B, H_kv, T] entries held but never attended (see block)
 
+    def begin_step(self, context: StepContext) -> None:
+        """The forward about to run: its step, the prompt's length and the positions of the tokens it feeds."""
+        self.context = context
+
     # -- transformers' layer protocol -------------------------------------------------------------------------
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, cache_kwargs: dict[str, Any] | None = None):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        context = self.context
         batch, heads, new = key_states.shape[:3]
         heads = self.storage.cache_heads(heads)
-        absolute, rotary = (t.view(1, 1, new).expand(batch, heads, new) for t in self.owner.step_on(key_states.device))
+        absolute, rotary = (t.view(1, 1, new).expand(batch, heads, new)
+                            for t in context.positions_on(key_states.device))
         self.storage.append(key_states, value_states)
         self.positions = absolute.clone() if self.positions is None else torch.cat([self.positions, absolute], -1)
         self.rotary = rotary.clone() if self.rotary is None else torch.cat([self.rotary, rotary], -1)
         if self.padding is not None:
             self.padding = torch.cat([self.padding, torch.zeros_like(absolute, dtype=torch.bool)], -1)
-        if self.owner.decoding and self.eviction is not None and not self.eviction.scores_attention:
+        if context.evicting and self.decode is Decode.AFTER_APPEND:
             # the new tokens' queries already carry rotary positions; re-rotated keys must end where they stand
-            self.apply_keep(self.eviction.select(self.view()), rotary_end=self.owner.step_rotary_end)
+            self.apply_keep(self.eviction.select(self.view()), rotary_end=context.rotary_end)
         if self.blocked is not None:
             self.blocked = torch.cat([self.blocked, self.blocked.new_zeros(batch, heads, new)], -1)
         return self.storage.materialize()
@@ -98,14 +138,31 @@ class KVLayer(FirstUpdateLayer):
     def view(self, attention: torch.Tensor | None = None) -> LayerView:
         return LayerView(
             layer_idx=self.layer_idx,
-            layers=len(self.owner.layers),
+            layers=self.layer_count,
             positions=self.positions,
             entries=self.storage.materialize,
-            prompt_length=self.owner.prompt_length,
-            step=self.owner.step,
+            prompt_length=self.context.prompt_length,
+            step=self.context.step,
             attention=attention,
             state=self.state,
         )
+
+    def hold_prompt(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rotary: torch.Tensor,
+                    stats: Any = None) -> None:
+        """Hold a dense prefill's entries (K/V [B, H, T, D], absolute and rotary positions [B, H, T]) and compress
+        them as the method decides after the prompt (:meth:`EvictionMethod.prefill_select`, reading ``stats``)."""
+        self.lazy_initialization(keys, values)
+        self.storage.append(keys, values)
+        heads = self.storage.cache_heads(keys.shape[1])  # every head of a dense prefill holds the same tokens
+        self.positions, self.rotary = positions[:, :heads].clone(), rotary[:, :heads].clone()
+        if self.eviction is not None:
+            self.apply_keep(self.eviction.prefill_select(self.view(), stats))
+            self.block(self.eviction.prefill_blocked(self.layer_idx))
+
+    def select_by_attention(self, probs: torch.Tensor) -> None:
+        """After this layer's attention, for a method that selects by it (``Decode.AFTER_ATTENTION``): keep what it
+        chooses from the new queries' probabilities ``probs`` [B, H_q, q, T]."""
+        self.apply_keep(self.eviction.select(self.view(attention=probs)))
 
     def apply_keep(self, kept: torch.Tensor | KeptRanges | RaggedKeep | MergedKeep | None,
                    rotary_end: int | None = None) -> None:
@@ -117,35 +174,35 @@ class KVLayer(FirstUpdateLayer):
         """
         if kept is None:
             return
-        if self.owner.protected is not None:
+        if self.protected is not None:
             if isinstance(kept, (MergedKeep, RaggedKeep)):  # said, not silently ignored
                 raise SpecError(f"{self.eviction.name} cannot protect spans: its heads keep different counts or "
                                 "merge entries; protect with a method that drops whole entries")
-            kept = with_protected(kept, self.positions, self.owner.protected)
+            kept = with_protected(kept, self.positions, self.protected)
             if kept is None:
                 return
         if isinstance(kept, MergedKeep):  # the kept entries change: store them afresh, in the stack's format
             self.apply_keep(kept.index)
-            self.storage = self.owner.new_storage(self.layer_idx)
+            self.storage = self.new_storage()
             self.storage.append(kept.keys, kept.values)
             return
         if isinstance(kept, RaggedKeep):
             self._apply_ragged(kept)
         elif isinstance(kept, KeptRanges):
-            if self.owner.ledger is not None:
+            if self.ledger is not None:
                 gaps = kept.dropped(self.positions.shape[-1])
                 if gaps:
-                    self.owner.ledger.record(self.layer_idx, self.owner.step, take_ranges(self.positions[0], gaps, -1))
+                    self.ledger.record(self.layer_idx, self.context.step, take_ranges(self.positions[0], gaps, -1))
             self.storage.keep_ranges(kept)
             self.positions = take_ranges(self.positions, kept.spans, -1)
             self.rotary = take_ranges(self.rotary, kept.spans, -1)
             self.padding = None if self.padding is None else take_ranges(self.padding, kept.spans, -1)
             self.blocked = None if self.blocked is None else take_ranges(self.blocked, kept.spans, -1)
         else:
-            if self.owner.ledger is not None:
+            if self.ledger is not None:
                 dropped = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept[0], False)
                 removed = self.positions[0][dropped].view(self.positions.shape[1], -1)
-                self.owner.ledger.record(self.layer_idx, self.owner.step, removed)
+                self.ledger.record(self.layer_idx, self.context.step, removed)
             self.storage.keep(kept)
             self.positions = self.positions.gather(-1, kept)
             self.rotary = self.rotary.gather(-1, kept)
@@ -156,9 +213,9 @@ class KVLayer(FirstUpdateLayer):
 
     def _apply_ragged(self, kept: RaggedKeep) -> None:
         """Heads keep different numbers of entries: store the padded layout and remember which slots are padding."""
-        if self.owner.ledger is not None:
+        if self.ledger is not None:
             removed = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept.index[0], False)
-            self.owner.ledger.record_per_head(self.layer_idx, self.owner.step, self.positions[0], removed)
+            self.ledger.record_per_head(self.layer_idx, self.context.step, self.positions[0], removed)
         padding = ~kept.valid if self.padding is None else self.padding.gather(-1, kept.index) | ~kept.valid
         self.storage.keep(kept.index)
         self.positions = self.positions.gather(-1, kept.index)
@@ -172,22 +229,24 @@ class KVLayer(FirstUpdateLayer):
         if blocked is None:
             return
         self.blocked = blocked.to(self.positions.device)
-        if self.owner.ledger is not None:
-            self.owner.ledger.record_per_head(self.layer_idx, self.owner.step, self.positions[0], self.blocked[0])
+        if self.ledger is not None:
+            self.ledger.record_per_head(self.layer_idx, self.context.step, self.positions[0], self.blocked[0])
+
     def _rerotate(self, end: int) -> None:
         """Give cached keys consecutive rotary positions ending at ``end - 1`` (StreamingLLM's position shift).
 
         Only distances matter to RoPE: a query at position p then sees the key i entries back at distance i, as if
         the evicted tokens had never existed.
         """
+        if self.rerotation is None:
+            raise SpecError(f"{self.eviction.name} re-rotates cached keys: give the layer a KeyRerotation")
         # re-rotating methods keep the same entries in every head (see EvictionMethod): one row serves them all
         keys, _ = self.storage.materialize()
-        plan = self.owner.rerotation(self.rotary[0, 0], end, keys.dtype)
+        plan = self.rerotation.plan(self.rotary[0, 0], end, keys.dtype)
         if plan is None:  # every key already sits where it should
             return
         # typically only the sinks move: rotate those few entries where they are
-        self.storage.write_keys(plan.changed, self.owner.rotate_keys.apply(keys[:, :, plan.changed], plan.cos,
-                                                                           plan.sin))
+        self.storage.write_keys(plan.changed, self.rerotation.moved_keys(keys, plan))
         self.rotary = plan.target.expand_as(self.rotary)
 
     def nbytes(self) -> StorageBytes:
@@ -205,7 +264,11 @@ class KVLayer(FirstUpdateLayer):
 
 
 class KVCache(Cache):
-    """The cache kvviz replays with: one :class:`KVLayer` per decoder layer, a shared step context, a ledger."""
+    """The cache kvviz replays with: one :class:`KVLayer` per decoder layer, each forward's step context, a ledger.
+
+    It builds its layers with what they need and hands them each forward's :class:`StepContext`; the layers never
+    reach back into it.
+    """
 
     def __init__(
         self,
@@ -215,20 +278,28 @@ class KVCache(Cache):
         rotate_keys: KeyRotator | None = None,
         protected: torch.Tensor | None = None,
     ):
+        """``protected``: absolute positions no eviction may drop (:mod:`kvviz.cache.protect`), or None."""
         self.stack = stack or MethodStack()
-        self.ledger = ledger
-        self.protected = protected  # absolute positions no eviction may drop (kvviz.cache.protect), or None
+        self._ledger = ledger
         self.rotate_keys = rotate_keys
         self.prompt_length = 0
-        self.step = 0
         self.decoding = False
-        self.step_positions = torch.zeros(0, dtype=torch.long)
-        self.step_rotary = torch.zeros(0, dtype=torch.long)
-        self.step_rotary_end = 0  # one past the newest token's rotary position
-        self._step_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = None  # see step_on
-        self._rerotation: tuple[tuple, torch.Tensor, Rerotation | None] | None = None  # the last layer's answer
-        layers = [KVLayer(i, self, self.new_storage(i), self.stack.eviction) for i in range(num_layers)]
+        self.context = StepContext()
+        rerotation = KeyRerotation(rotate_keys)
+        layers = [KVLayer(i, num_layers, self.new_storage(i), self.stack.eviction, ledger, protected, rerotation,
+                          partial(self.new_storage, i)) for i in range(num_layers)]
         super().__init__(layers=layers)
+
+    @property
+    def ledger(self) -> EvictionLedger | None:
+        return self._ledger
+
+    @ledger.setter
+    def ledger(self, ledger: EvictionLedger | None) -> None:
+        """The layers record into it: a new one (a teacher-forced twin drops its own) reaches them all."""
+        self._ledger = ledger
+        for layer in self.layers:
+            layer.ledger = ledger
 
     def new_storage(self, layer_idx: int) -> KVStorage:
         """An empty storage for one layer in the stack's format: dense or quantized, wrapped by the architecture
@@ -241,6 +312,17 @@ class KVCache(Cache):
     def rerotates(self) -> bool:
         return self.stack.eviction is not None and self.stack.eviction.rerotate
 
+    @property
+    def selects_after_attention(self) -> bool:
+        """Whether the method selects by each decode step's attention (``Decode.AFTER_ATTENTION``): a decode through
+        this cache must then listen to attention (:meth:`observe`)."""
+        return self.stack.eviction is not None and self.stack.eviction.schedule.decode is Decode.AFTER_ATTENTION
+
+    @property
+    def step_rotary(self) -> torch.Tensor:
+        """The rotary positions of the tokens being fed [new] (an architecture storage compresses keys before RoPE)."""
+        return self.context.rotary
+
     def next_rotary_positions(self, absolute: torch.Tensor) -> torch.Tensor:
         """Rotary positions for new tokens: absolute, or right after the cache's last key when keys are re-rotated.
 
@@ -251,40 +333,22 @@ class KVCache(Cache):
             return torch.arange(absolute.numel()) + int(self.layers[0].rotary.max()) + 1
         return absolute
 
-    def rerotation(self, rotary: torch.Tensor, end: int, dtype: torch.dtype) -> Rerotation | None:
-        """How to move keys at rotary positions ``rotary`` [T] to consecutive positions ending at ``end - 1``, or
-        None when none move. Layers that hold the same positions in a step (every layer, for a positional policy)
-        share one answer instead of each computing the angles again."""
-        last = self._rerotation
-        if last is not None and last[0] == (end, dtype) and torch.equal(last[1], rotary):
-            return last[2]
-        target = torch.arange(end - rotary.numel(), end, device=rotary.device)
-        changed = (target != rotary).nonzero().flatten()
-        plan = None
-        if changed.numel():
-            plan = Rerotation(target, changed, *self.rotate_keys.angles(target[changed] - rotary[changed], dtype))
-        self._rerotation = ((end, dtype), rotary, plan)
-        return plan
-
-    def step_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """This step's absolute and rotary positions on ``device``, copied there once per step for every layer (a
-        copy per layer made each GPU decode step wait on the host 2 x layers times)."""
-        if self._step_device is None or self._step_device[0] != device:
-            self._step_device = (device, self.step_positions.to(device), self.step_rotary.to(device))
-        return self._step_device[1], self._step_device[2]
+    def begin_step(self, context: StepContext) -> None:
+        """Tell every layer about the forward under way."""
+        self.context = context
+        for layer in self.layers:
+            layer.begin_step(context)
 
     def begin_forward(self, absolute: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Set the positions of the tokens about to be fed; return (position_ids, cache_position) for the model."""
-        self.step = step
-        self.step_positions = absolute.cpu()
-        self.step_rotary = self.next_rotary_positions(self.step_positions)
-        self._step_device = None
-        self.step_rotary_end = int(self.step_rotary.max()) + 1
+        absolute = absolute.cpu()
+        rotary = self.next_rotary_positions(absolute)
+        self.begin_step(StepContext(step, self.prompt_length, absolute, rotary, evicting=self.decoding))
         if self.ledger is not None:
             self.ledger.ensure(int(absolute.max()) + 1)
         stored = self.get_seq_length()
         cache_position = torch.arange(stored, stored + absolute.numel())
-        return self.step_rotary.unsqueeze(0), cache_position
+        return rotary.unsqueeze(0), cache_position
 
     # -- what attention reads: passed with the model call as ``key_source`` (kvviz.cache.attention.KeySource) -------
     def key_parts(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> list[KeyPart]:
@@ -299,11 +363,10 @@ class KVCache(Cache):
 
     # -- attention listener: methods that score entries by the current query's attention -------------------------
     def wants(self, layer_idx: int) -> bool:
-        return self.decoding and self.stack.eviction is not None and self.stack.eviction.scores_attention
+        return self.decoding and self.selects_after_attention
 
     def observe(self, layer_idx: int, probs: torch.Tensor, query_start: int, query_total: int) -> None:
-        layer = self.layers[layer_idx]
-        layer.apply_keep(layer.eviction.select(layer.view(attention=probs)))
+        self.layers[layer_idx].select_by_attention(probs)
 
     # -- prefill and forking ----------------------------------------------------------------------------------
     @classmethod
@@ -323,19 +386,13 @@ class KVCache(Cache):
         """
         cache = cls(len(prefill.layers), stack, ledger, rotate_keys, protected)
         cache.prompt_length = prefill.prompt_length
-        cache.step = 0
         for source, layer in zip(prefill.layers, cache.layers, strict=True):
             keys, values = source.storage.materialize()
-            layer.lazy_initialization(keys, values)
-            if stack.architecture is not None:  # projections from the prompt's own K/V; appends read step_rotary
-                cache.step_rotary = source.rotary[0, 0].cpu()
+            # step 0, the prompt's own positions: an architecture storage's appends read their rotary positions
+            cache.begin_step(StepContext(0, cache.prompt_length, rotary=source.rotary[0, 0].cpu()))
+            if stack.architecture is not None:  # projections from the prompt's own K/V
                 layer.storage.calibrate(keys, values, cache.step_rotary)
-            layer.storage.append(keys, values)
-            heads = layer.storage.cache_heads(keys.shape[1])  # every head of the dense prefill holds the same tokens
-            layer.positions, layer.rotary = source.positions[:, :heads].clone(), source.rotary[:, :heads].clone()
-            if layer.eviction is not None:
-                layer.apply_keep(layer.eviction.prefill_select(layer.view(), stats))
-                layer.block(layer.eviction.prefill_blocked(layer.layer_idx))
+            layer.hold_prompt(keys, values, source.positions, source.rotary, stats)
         cache.decoding = True
         return cache
 
@@ -352,32 +409,3 @@ class KVCache(Cache):
         """[H_kv, T] absolute positions cached in a layer right now (batch 0); with unequal counts per head, the
         padding slots repeat the head's last kept position."""
         return self.layers[layer_idx].positions[0]
-
-
-@dataclass
-class KeyRotator:
-    """Rotates cached keys by per-entry position deltas with the model's rotary frequencies (rotate-half RoPE).
-
-    It reads ``inv_freq`` (which RoPE variants that rescale with length keep up to date) instead of calling the
-    rotary module: the module's autocast guard costs more than rotating a few sink keys, once per layer and step.
-    """
-
-    inv_freq: torch.Tensor
-
-    def angles(self, delta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [..., D] of the rotation by ``delta`` positions."""
-        angles = delta.to(self.inv_freq.device).unsqueeze(-1).float() * self.inv_freq.float()
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    @staticmethod
-    def apply(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = keys.shape[-1] // 2
-        return keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], dim=-1) * sin
-
-
-def rope_rotator(model: torch.nn.Module) -> KeyRotator | None:
-    """The rotator for ``model``'s keys, or None when it has no rotary embedding to read."""
-    rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
-    inv_freq = getattr(rotary, "inv_freq", None)
-    return None if inv_freq is None else KeyRotator(inv_freq)

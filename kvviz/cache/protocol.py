@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, ClassVar
 
 import torch
@@ -45,43 +46,65 @@ class LayerView:
         return self.entries()[1]
 
 
+class Decode(Enum):
+    """When the cache calls :meth:`EvictionMethod.select` at each decode step.
+
+    AFTER_APPEND: right after the new entries are appended, before attention, so attention never sees more than the
+    budget. AFTER_ATTENTION: after attention, with the new queries' probabilities (H2O, TOVA); the cache holds one
+    token over budget while attending. NEVER: the prompt is compressed once and every token that arrives is kept
+    (SnapKV, kvpress presses), so a token-by-token stream (streaming perplexity) never compresses.
+    """
+
+    AFTER_APPEND = "after append"
+    AFTER_ATTENTION = "after attention"
+    NEVER = "never"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When an eviction method's selections run and what the prompt's forward must record for them: the one
+    declaration the cache (``decode``), the session (``own_prefill``) and the prefill capture (:attr:`capture`) read.
+
+    ``own_prefill``: the method runs the prompt itself (``run_prefill(session)``: kvpress native) instead of forking
+    the shared prefill, and leaves what it found in ``report`` (carried into MethodResult.native_report).
+    ``windows``: observation windows whose attention sums :meth:`EvictionMethod.prefill_select` reads (SnapKV, TOVA).
+    ``prefill_attention``: it reads the prefill's attention per key over every query (H2O's initial scores).
+    ``layer_inputs``: it reads each attention module's prefill input (hidden states and rotary embeddings, in
+    ``AttentionStats.layer_inputs``), as kvpress scorers do.
+    """
+
+    decode: Decode = Decode.AFTER_APPEND
+    own_prefill: bool = False
+    windows: tuple[int, ...] = ()
+    prefill_attention: bool = False
+    layer_inputs: bool = False
+
+    @property
+    def capture(self) -> CaptureConfig | None:
+        """What the shared prefill records for this method (None: nothing). A comparison's needs are united
+        (:meth:`CaptureConfig.uniting`) so that one prefill serves every method."""
+        if not (self.windows or self.prefill_attention or self.layer_inputs):
+            return None
+        return CaptureConfig(windows=self.windows, layer_inputs=self.layer_inputs, all_queries=self.prefill_attention)
+
+
 class EvictionMethod(Method):
     """Decides which cached entries each layer keeps.
 
-    ``scores_attention``: the method needs the current queries' attention at every decode step (H2O, TOVA); it is
-    then called after attention, and the cache may hold one token over budget while attending. Otherwise it is called
-    right after new entries are appended, before attention, so attention never sees more than the budget.
+    ``schedule``: when its selections run and what they read from the prefill (:class:`Schedule`); a class
+    attribute, or an instance's own when it depends on the parameters (SnapKV's window).
     ``rerotate``: cached keys take their positions inside the cache (StreamingLLM's position shift); such a method
     keeps the same entries in every head, so one set of rotary positions serves them all.
-    ``uses_prefill_attention``: the method reads the prefill's accumulated attention per key (H2O's initial scores).
-    ``prefill_windows``: observation windows whose attention sums the method reads at prefill (SnapKV).
-    ``prefill_layer_inputs``: the method reads each attention module's prefill input (hidden states and rotary
-    embeddings, in ``AttentionStats.layer_inputs``), as kvpress scorers do.
     """
 
     kind = "eviction"
-    scores_attention: ClassVar[bool] = False
-    uses_prefill_attention: ClassVar[bool] = False
-    prefill_windows: ClassVar[tuple[int, ...]] = ()
+    schedule: Schedule = Schedule()
     stacks_with_architecture: ClassVar[bool] = True  # False: refused next to merge_heads / lowrank, with the reason
     why_not_with_architecture: ClassVar[str] = ""
-    prefill_layer_inputs: ClassVar[bool] = False  # the method reads each attention layer's prefill input (kvpress)
-    own_prefill: ClassVar[bool] = False  # the method runs the prompt itself (``run_prefill(session)``: kvpress native)
-    # and leaves what it found in ``report`` (carried into MethodResult.native_report)
-    compresses_prompt_only: ClassVar[bool] = False  # True: the prompt is compressed once and nothing is evicted as
-    # tokens arrive (SnapKV, kvpress presses), so a token-by-token stream (streaming perplexity) never compresses
 
     @property
     def rerotate(self) -> bool:
         return False
-
-    def capture_needs(self) -> CaptureConfig | None:
-        """What this method reads from the prefill, from its declarations above (None: nothing). A comparison's
-        needs are united (:meth:`CaptureConfig.merged`) so that one prefill serves every method."""
-        if not (self.prefill_windows or self.uses_prefill_attention or self.prefill_layer_inputs):
-            return None
-        return CaptureConfig(windows=tuple(self.prefill_windows), layer_inputs=self.prefill_layer_inputs,
-                             all_queries=self.uses_prefill_attention)
 
     def new_state(self, layer_idx: int) -> Any:
         return None
@@ -89,7 +112,7 @@ class EvictionMethod(Method):
     def prefill_select(self, view: LayerView, stats: Any) -> torch.Tensor | KeptRanges | None:
         """After the prompt's forward: entries to keep as :meth:`select` returns them, or None to keep all.
 
-        ``stats`` is the prefill's :class:`kvviz.cache.stats.AttentionStats` (when the method asked for capture).
+        ``stats`` is the prefill's :class:`kvviz.cache.stats.AttentionStats` (what the schedule's capture asked for).
         """
         return self.select(view)
 
@@ -99,8 +122,8 @@ class EvictionMethod(Method):
         return None
 
     def select(self, view: LayerView) -> torch.Tensor | KeptRanges | None:
-        """During decoding: indices [B, H_kv, n] (ascending) of entries to keep, or :class:`KeptRanges` when every
-        head keeps the same ranges (cheaper to apply), or None to keep all."""
+        """During decoding, when the schedule says (:class:`Decode`): indices [B, H_kv, n] (ascending) of entries to
+        keep, or :class:`KeptRanges` when every head keeps the same ranges (cheaper to apply), or None to keep all."""
         return None
 
     def budget_for(self, prompt_length: int) -> int | None:
@@ -157,8 +180,8 @@ SWEEP_PROBE_LENGTH = 4096  # a prompt long enough that sizing any eviction metho
 class ScoringEviction(EvictionMethod):
     """An eviction method that is its score: the base applies the budget and keeps the top entries per head.
 
-    A subclass gives :meth:`prefill_scores` (and :meth:`decode_scores` unless it compresses the prompt only); when
-    the budget covers every entry nothing is scored, as kvpress's ``ScorerPress`` does.
+    A subclass gives :meth:`prefill_scores` (and :meth:`decode_scores` unless its schedule says ``Decode.NEVER``);
+    when the budget covers every entry nothing is scored, as kvpress's ``ScorerPress`` does.
     """
 
     def keep_count(self, view: LayerView, stats: Any = None) -> int:
@@ -181,8 +204,6 @@ class ScoringEviction(EvictionMethod):
         return self._top(view, self.keep_count(view, stats), lambda: self.prefill_scores(view, stats))
 
     def select(self, view: LayerView) -> torch.Tensor | None:
-        if self.compresses_prompt_only:
-            return None  # tokens generated after the prompt are all kept
         return self._top(view, self.keep_count(view), lambda: self.decode_scores(view))
 
     def _top(self, view: LayerView, count: int, scores: Callable[[], torch.Tensor]) -> torch.Tensor | None:

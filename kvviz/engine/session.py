@@ -16,9 +16,10 @@ import torch
 from kvviz.cache.architecture import ArchitectureStorage, axis_factors
 from kvviz.cache.attention import listening
 from kvviz.cache.capture import CaptureConfig, recording_layer_inputs
-from kvviz.cache.kvcache import KVCache, rope_rotator
+from kvviz.cache.kvcache import KVCache
 from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.protect import protected_positions
+from kvviz.cache.rotation import rope_rotator
 from kvviz.cache.stats import AttentionStats, StatsRecorder
 from kvviz.engine.diagnostics import quantization_report
 from kvviz.engine.metrics import forced_comparison
@@ -63,9 +64,9 @@ def encode_prompt(tokenizer, text: str, chat: bool = False) -> list[int]:
 def capture_for(stacks: list[MethodStack]) -> CaptureConfig | None:
     """The prefill capture these methods read (one capture serves them all, so the prompt runs once), or None.
 
-    Each eviction method declares its own needs (:meth:`~kvviz.cache.protocol.EvictionMethod.capture_needs`).
+    Each eviction method declares its own needs in its schedule (:attr:`~kvviz.cache.protocol.Schedule.capture`).
     """
-    return CaptureConfig.uniting(s.eviction.capture_needs() for s in stacks if s.eviction is not None)
+    return CaptureConfig.uniting(s.eviction.schedule.capture for s in stacks if s.eviction is not None)
 
 
 @dataclass
@@ -137,8 +138,8 @@ class PromptSession:
 
     def prefill_for(self, stack: MethodStack) -> Prefill:
         """The prefill ``stack`` forks from: the shared one, or its own for a method that must run the prompt itself
-        (kvpress's hooks compress during the forward: ``EvictionMethod.own_prefill``)."""
-        if stack.eviction is not None and stack.eviction.own_prefill:
+        (kvpress's hooks compress during the forward: ``Schedule.own_prefill``)."""
+        if stack.eviction is not None and stack.eviction.schedule.own_prefill:
             own = stack.eviction.run_prefill(self)
             return Prefill(own.cache, own.last_logits, own, own.seconds)
         wanted = capture_for([stack])
@@ -189,7 +190,8 @@ class PromptSession:
                                       self.card.stored_kv_bytes(total_tokens), value_dim),
             projection_bytes=sum(layer.storage.weight_bytes() for layer in cache.layers
                                  if isinstance(layer.storage, ArchitectureStorage)),
-            native_report=stack.eviction.report if stack.eviction is not None and stack.eviction.own_prefill else None,
+            native_report=(stack.eviction.report if stack.eviction is not None and stack.eviction.schedule.own_prefill
+                           else None),
         )
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvviz.cache.protocol import EvictionMethod, LayerView, per_kv_head, topk_keep
+from kvviz.cache.protocol import Decode, EvictionMethod, LayerView, Schedule, per_kv_head, topk_keep
 from kvviz.cache.spec import Budget, Param, register
 
 
@@ -39,8 +39,7 @@ class H2O(EvictionMethod):
         Param("recent", Budget, 0.1, "recent tokens always kept: a count (64)"
                                      " or, with a decimal point, a ratio of the current length (0.1)"),
     )
-    scores_attention = True
-    uses_prefill_attention = True
+    schedule = Schedule(Decode.AFTER_ATTENTION, prefill_attention=True)
 
     def new_state(self, layer_idx: int) -> H2OState:
         return H2OState()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from kvviz.cache.protocol import LayerView, ScoringEviction, per_kv_head
+from kvviz.cache.protocol import Decode, LayerView, Schedule, ScoringEviction, per_kv_head
 from kvviz.cache.spec import Budget, Param, SpecError, register
 
 
@@ -28,7 +30,7 @@ class SnapKV(ScoringEviction):
     name = "snapkv"
     summary = ("Compress the prompt once: each KV head keeps the tokens the last `window` prompt queries attend to "
                "(pooled along the sequence, GQA groups averaged); the window itself is always kept.")
-    compresses_prompt_only = True
+    schedule = Schedule(Decode.NEVER)  # each instance adds its observation window (see __init__)
     params = (
         Param("budget", Budget, 1024, "tokens kept per head including the window: a count (256)"
                                       " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),
@@ -38,9 +40,9 @@ class SnapKV(ScoringEviction):
         Param("pool", str, "max", "pooling of the votes (paper max; kvpress avg)", choices=("max", "avg")),
     )
 
-    @property
-    def prefill_windows(self) -> tuple[int, ...]:
-        return (self.window,)
+    def __init__(self, **values: Any):
+        super().__init__(**values)
+        self.schedule = Schedule(Decode.NEVER, windows=(self.window,))
 
     def validate(self) -> None:
         if self.kernel % 2 == 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.cache.protocol import LayerView, ScoringEviction
+from kvviz.cache.protocol import Decode, LayerView, Schedule, ScoringEviction
 from kvviz.cache.spec import Budget, Param, register
 
 
@@ -15,8 +15,7 @@ class TOVA(ScoringEviction):
                "attention from the newest query, averaged over all heads of the layer.")
     params = (Param("budget", Budget, 512, "tokens kept per layer: a count (512)"
                                            " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),)
-    scores_attention = True
-    prefill_windows = (1,)
+    schedule = Schedule(Decode.AFTER_ATTENTION, windows=(1,))
 
     def prefill_scores(self, view: LayerView, stats) -> torch.Tensor:
         """The prompt's last query's attention, averaged over every head of the layer: one ranking, [1, 1, T]."""

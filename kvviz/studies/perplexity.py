@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from kvviz.cache.kvcache import KVCache
+from kvviz.cache.protocol import Decode
 from kvviz.engine.session import PromptSession, check_context
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.runtime.models import LoadedModel
@@ -85,9 +86,9 @@ def _full_chunked(loaded: LoadedModel, token_ids: list[int], progress) -> tuple[
 def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) -> tuple[torch.Tensor, int]:
     """NLL of positions 1..N-1 feeding one token per step through the method's cache, and the cache's bytes."""
     stack = parse_spec(spec)
-    if stack.eviction is not None and stack.eviction.compresses_prompt_only:
+    if stack.eviction is not None and stack.eviction.schedule.decode is Decode.NEVER:
         streaming = ", ".join(n for n, m in REGISTRY.items() if m.kind == "eviction" and n != "full"
-                              and not m.compresses_prompt_only)
+                              and m.schedule.decode is not Decode.NEVER)
         raise SpecError(f"{stack.label} compresses a prompt once; streaming perplexity needs a policy applied as "
                         f"tokens arrive ({streaming})")
     session = PromptSession(loaded, token_ids[:1])

@@ -123,7 +123,7 @@ def test_streaming_llm_finding_on_hamlet(real_model):
 def test_rotating_keys_by_a_delta_matches_the_model_rotating_them_there(tiny_model):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from kvviz.cache.kvcache import rope_rotator
+    from kvviz.cache.rotation import rope_rotator
 
     rotary = tiny_model.model.model.rotary_emb
     keys = torch.randn(1, 2, 5, tiny_model.model.config.head_dim)

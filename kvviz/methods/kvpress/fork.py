@@ -12,7 +12,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from kvviz.cache.kvcache import KeyRotator, KVCache
+from kvviz.cache.kvcache import KVCache
+from kvviz.cache.rotation import KeyRotator
 from kvviz.methods.kvpress.report import MAX_KEY_DISTANCE, NativePrefill, NativeReport, NotMappable
 from kvviz.methods.kvpress.rowmatch import match_rows, match_rows_in_order
 from kvviz.methods.merge import nearest_survivor

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kvviz.cache.protocol import EvictionMethod, LayerView
+from kvviz.cache.protocol import Decode, EvictionMethod, LayerView, Schedule
 from kvviz.cache.spec import Param, SpecError, register
 from kvviz.methods.kvpress.catalog import (
     NEEDS_DOWNLOAD,
@@ -41,11 +41,10 @@ class KVPressNative(EvictionMethod):
     name = "kvpress_native"
     summary = ("Any kvpress press (or your own, via KVVIZ_PRESSES) run by kvpress itself during prefill; kvviz maps "
                "what the press left back to token positions per layer and KV head.")
-    compresses_prompt_only = True
+    schedule = Schedule(Decode.NEVER, own_prefill=True)  # its hooks compress during the prompt's own forward
     params = (
         Param("press", str, "snapkv", "kvpress press by name (python -m kvviz methods --kvpress lists them)"),
     )
-    own_prefill = True  # the press's hooks must run during the prompt's forward: kvviz's shared prefill cannot serve
     stacks_with_architecture = False
     why_not_with_architecture = "compresses the model's own cache inside kvpress's hooks, before any head merging"
 

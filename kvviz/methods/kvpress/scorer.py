@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from kvviz.cache.protocol import LayerView, ScoringEviction
+from kvviz.cache.protocol import Decode, LayerView, Schedule, ScoringEviction
 from kvviz.cache.spec import Param, SpecError, register
 
 PRESSES: dict[str, str] = {
@@ -76,13 +76,12 @@ class KVPressScorer(ScoringEviction):
     name = "kvpress"
     summary = ("A kvpress ScorerPress (its own scoring function, its default settings) compresses the prompt once; "
                "kvviz keeps the top-scoring entries per KV head and records the rest in the ledger.")
-    compresses_prompt_only = True
+    schedule = Schedule(Decode.NEVER, layer_inputs=True)
     ratio_param: ClassVar[str] = "ratio"  # the parameter holding the share removed (per_layer: ratios)
     params = (
         press_param("kvpress scorer"),
         Param("ratio", float, 0.5, "compression ratio: share of the prompt's entries removed", min=0, max=0.99),
     )
-    prefill_layer_inputs = True
 
     def new_state(self, layer_idx: int):
         """Holds the layer's press (see :func:`scorer_press`)."""
