@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvviz.cli import options
-from kvviz.cli.output import progress_unless, write_json
+from kvviz.cli.output import emit_report, progress_unless
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -34,8 +34,5 @@ def run(args: argparse.Namespace) -> int:
     request = NeedleRequest(tuple(specs), tuple(lengths), tuple(depths), args.trials, args.mode, args.chat,
                             args.max_new_tokens, args.seed)
     report = request.compute(options.load(args), progress_unless(args.quiet))
-    if args.json:
-        write_json(args.json, report.to_json())
-    if args.json != "-":
-        print("\n".join(report.lines()))
+    emit_report(args, report)
     return 0

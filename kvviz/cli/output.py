@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from kvviz.cli.options import UsageError
 
@@ -22,6 +24,21 @@ def write_json(path: str | None, data: dict) -> None:
         Path(path).write_text(text + "\n", encoding="utf-8")
     except OSError as error:
         raise UsageError(f"cannot write {path}: {error.strerror}") from None
+
+
+class Report(Protocol):
+    def to_json(self) -> dict: ...
+
+    def lines(self) -> list[str]: ...
+
+
+def emit_report(args: argparse.Namespace, report: Report) -> None:
+    """A study's report as its command prints it: JSON where ``--json`` says, its text lines unless the JSON goes to
+    stdout (which then holds the JSON alone)."""
+    if args.json:
+        write_json(args.json, report.to_json())
+    if args.json != "-":
+        print("\n".join(report.lines()))
 
 
 def stderr_progress() -> Progress:

@@ -6,7 +6,7 @@ import argparse
 
 from kvviz.cli import options
 from kvviz.cli.options import UsageError
-from kvviz.cli.output import progress_unless, write_json
+from kvviz.cli.output import emit_report, progress_unless
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -45,8 +45,5 @@ def run(args: argparse.Namespace) -> int:
     request = TailRequest(tuple(specs), tuple(tasks), tuple(lengths), tuple(depths), tuple(hops), args.mode,
                           tuple(args.protect or ()), args.trials, args.seed)
     report = request.compute(options.load(args), progress_unless(args.quiet))
-    if args.json:
-        write_json(args.json, report.to_json())
-    if args.json != "-":
-        print("\n".join(report.lines()))
+    emit_report(args, report)
     return 0
