@@ -1,5 +1,6 @@
 """The trade-off sweep: families sized along every axis, the frontier, and points that equal compare's."""
 
+import itertools
 import math
 
 import pytest
@@ -169,3 +170,34 @@ def test_a_task_sweep_scores_calibrated_items(real_model):
         return
     assert full.accuracy == 1.0 and all(p.accuracy is not None for p in report.points)
     assert min(p.compression for p in report.points) >= 1.0
+
+
+def test_the_pages_default_run_draws_curves_that_cross(real_model):
+    """The Trade-offs page opens on DEFAULT_FAMILIES over the lesson prompt: some family must lead at one compression
+    and trail at another, or the chart teaches nothing about choosing."""
+    from kvviz.engine.session import encode_prompt
+    from kvviz.lessons import STORY_QUESTION
+    from kvviz.runs import SweepRequest
+    from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES
+
+    ids = encode_prompt(real_model.tokenizer, STORY_QUESTION, chat=True)
+    report = SweepRequest.on_prompt(ids, list(DEFAULT_FAMILIES), list(DEFAULT_BUDGETS), 24).compute(real_model)
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for point in report.points[1:]:
+        curves.setdefault(point.family, []).append((point.compression, point.agreement_with_full))
+
+    def at(curve: list[tuple[float, float]], compression: float) -> float:
+        """The curve's agreement at ``compression``, read along its line (points sorted by compression)."""
+        for (x0, y0), (x1, y1) in itertools.pairwise(sorted(curve)):
+            if x0 <= compression <= x1 and x1 > x0:
+                return y0 + (y1 - y0) * (compression - x0) / (x1 - x0)
+        raise ValueError("outside the curve")
+
+    def cross(a: list, b: list) -> bool:
+        low, high = max(min(a)[0], min(b)[0]), min(max(a)[0], max(b)[0])
+        grid = [low + (high - low) * i / 50 for i in range(51)] if high > low else []
+        signs = {at(a, x) > at(b, x) for x in grid if at(a, x) != at(b, x)}
+        return signs == {True, False}
+
+    names = [name for name, curve in curves.items() if len(curve) > 1]
+    assert any(cross(curves[a], curves[b]) for i, a in enumerate(names) for b in names[i + 1:])

@@ -9,14 +9,13 @@ from kvviz.methods import REGISTRY, SpecError
 from kvviz.runs import SweepRequest
 from kvviz.studies.frontier import MEASURES
 from kvviz.studies.perplexity import play_names
-from kvviz.studies.sweep import DEFAULT_BUDGETS, SWEEP_TASKS, check_sweep, read_family
+from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, SWEEP_TASKS, check_sweep, read_family
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, prompt_input
 from kvviz_app.queue import run_request
 from kvviz_app.tradeoffs import compare_link, tradeoff_figure
 
 DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py)
-DEFAULT_FAMILIES = ("snapkv", "streaming_llm", "h2o", "kivi:residual=0", "snapkv+kivi:bits=4,residual=0")
 BUDGET_CHOICES = (0.03125, 0.0625, 0.125, 0.25, 0.5, 0.75)
 WORKLOADS = {"Your prompt": "prompt", "A task": "task", "A play": "text"}
 

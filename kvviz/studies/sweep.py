@@ -38,6 +38,8 @@ from kvviz.studies.perplexity import play_text, streaming_perplexity
 from kvviz.studies.tail import run_tail
 
 DEFAULT_BUDGETS = (0.0625, 0.125, 0.25, 0.5)
+# The Trade-offs page's default run: one family per axis idea, whose curves cross on the lesson prompt (a test pins it)
+DEFAULT_FAMILIES = ("snapkv", "streaming_llm", "h2o", "kivi:residual=0", "snapkv+kivi:bits=4,residual=0")
 SWEEP_TASKS = ("needle", "multikey", "multivalue", "vartrack")
 
 
