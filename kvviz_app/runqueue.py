@@ -68,6 +68,19 @@ class Ticket:
         return self.status in FINISHED
 
 
+@dataclass(frozen=True)
+class FinishedRun:
+    """What the queue remembers of a finished run: who and when, never its result (a long-lived server would
+    otherwise hold the last thousand comparisons, their jobs and everything those close over)."""
+
+    user: str
+    number: int
+    status: str
+    submitted_at: float
+    started_at: float | None
+    finished_at: float
+
+
 class RunQueue:
     """Round-robin queue with ``together`` workers (runs at once, one per user); ``abandon_after`` seconds without
     ``touch`` drops a run."""
@@ -75,7 +88,7 @@ class RunQueue:
     def __init__(self, abandon_after: float = 30.0, format_error: ErrorFormatter | None = None,
                  history: int = 1000, together: int = 1):
         self.abandon_after = abandon_after
-        self.history: deque[Ticket] = deque(maxlen=history)  # finished runs, oldest first: waits and fairness
+        self.history: deque[FinishedRun] = deque(maxlen=history)  # oldest first: waits and fairness
         self.format_error = format_error or (lambda error: f"{type(error).__name__}: {error}")
         self._lock = threading.Condition()
         self._per_user: OrderedDict[str, deque[Ticket]] = OrderedDict()
@@ -151,7 +164,8 @@ class RunQueue:
         ticket.status, ticket.result, ticket.error = status, result, error
         ticket.fraction = 1.0 if status == DONE else ticket.fraction
         ticket.finished_at = time.monotonic()
-        self.history.append(ticket)
+        self.history.append(FinishedRun(ticket.user, ticket.number, status, ticket.submitted_at, ticket.started_at,
+                                        ticket.finished_at))
         ticket.done.set()
 
     def _work(self) -> None:

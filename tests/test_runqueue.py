@@ -135,3 +135,14 @@ def test_runs_of_different_users_run_together_one_run_per_user():
     for ticket in (a1, a2, b1, c1):
         assert ticket.done.wait(5) and ticket.status == DONE
     assert started[-1] == "a2"
+
+
+def test_the_queue_remembers_finished_runs_without_their_results():
+    queue = RunQueue()
+    result = bytearray(1 << 20)
+    ticket = queue.submit("alice", lambda progress: result)
+    assert ticket.done.wait(5) and ticket.result is result
+    (record,) = queue.history
+    assert (record.user, record.status, record.number) == ("alice", DONE, ticket.number)
+    assert record.submitted_at <= record.started_at <= record.finished_at
+    assert not hasattr(record, "result") and not hasattr(record, "job")
