@@ -6,9 +6,11 @@ from urllib.parse import urlencode
 
 import pandas as pd
 import plotly.graph_objects as go
+import streamlit as st
 
 from kvviz.studies.frontier import MEASURES
 from kvviz.studies.sweep import SweepReport
+from kvviz_app.url import Read, shown
 
 
 def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
@@ -44,3 +46,16 @@ def compare_link(spec: str, prompt: str | None, chat: bool, max_new_tokens: int)
     if prompt is not None:
         query |= {"prompt": prompt, "chat": int(chat)}
     return f"Compare?{urlencode(query, doseq=True)}"
+
+
+def families_from_link(offered: list[str], default: list[str]) -> tuple[Read[list[str]], str]:
+    """The link's repeated ``m``: the offered families for the multiselect, and every other SPEC, as given, for the
+    text box beside it (where the sweep's own check names what is wrong with it). An empty value gets a notice."""
+    raw = st.query_params.get_all("m")
+    if not raw:
+        return Read(default), ""
+    listed = list(dict.fromkeys(v for v in raw if v in offered))
+    typed = list(dict.fromkeys(v.strip() for v in raw if v not in offered and v.strip()))
+    empty = len([v for v in raw if not v.strip()])
+    notice = (f"The link's {shown('m', '')} is empty; it is left out." if empty else None)
+    return Read(listed, notice), " ".join(typed)

@@ -132,3 +132,20 @@ def test_a_notice_stays_until_its_widget_changes(runs):
     assert "`n=999999`" in notices(app), "the link was rewritten, the notice stays"
     app.number_input(key="max_new").set_value(8).run()
     assert "`n=999999`" not in notices(app)
+
+
+def test_a_trade_offs_link_opens_its_workload_families_and_budgets(runs):
+    app = open_page("8_Trade_offs.py", w="task", task="multikey", len="1024", b=["0.125", "0.5"],
+                    m=["snapkv", "lowrank+snapkv:budget=0.25"])
+    assert not app.exception and not notices(app), notices(app)
+    assert app.radio(key="sweep_workload").value == "task" and app.selectbox(key="sweep_task").value == "multikey"
+    assert app.select_slider(key="sweep_task_length").value == 1024
+    assert app.multiselect(key="sweep_budgets").value == [0.125, 0.5]
+    assert app.multiselect(key="sweep_families").value == ["snapkv"], "an offered family fills the multiselect"
+    assert app.text_input(key="sweep_extra").value == "lowrank+snapkv:budget=0.25", "any other SPEC, as given"
+    assert app.query_params["m"] == ["snapkv", "lowrank+snapkv:budget=0.25"]
+
+    app = open_page("8_Trade_offs.py", m=["snapkv", "snapkv+h2o"], b="2")
+    said = notices(app)
+    assert "`b=2` is not among" in said and "stacks two eviction methods (snapkv, h2o)" in said
+    assert next(b for b in app.button if b.label == "Run the sweep").disabled

@@ -13,16 +13,19 @@ from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, SWEEP_TASKS, 
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, prompt_input
 from kvviz_app.queue import run_request
-from kvviz_app.tradeoffs import compare_link, tradeoff_figure
+from kvviz_app.tradeoffs import compare_link, families_from_link, tradeoff_figure
+from kvviz_app.url import Read, choice_setting, choices_setting, flag_setting, linked, number_setting, share_settings
 
 DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py)
 BUDGET_CHOICES = (0.03125, 0.0625, 0.125, 0.25, 0.5, 0.75)
-WORKLOADS = {"Your prompt": "prompt", "A task": "task", "A play": "text"}
+WORKLOADS = {"prompt": "Your prompt", "task": "A task", "text": "A play"}
+LENGTHS = [256, 512, 1024]
 
 page_header("Trade-offs", "Trade-offs: quality against memory",
             "Which configuration should you deploy at your memory budget, and what does it lose? Each family is "
             "one method (or stack) with one parameter left free, swept across the budgets; every point is "
-            "measured. The frontier marks the configurations nothing beats on both memory and quality.")
+            "measured. The frontier marks the configurations nothing beats on both memory and quality.",
+            link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "play", "tokens"))
 
 loaded = require_model()
 
@@ -46,28 +49,33 @@ def family_choices() -> dict[str, str]:
 
 with st.sidebar:
     st.subheader("Workload")
-    workload = WORKLOADS[st.radio("Quality measured on", list(WORKLOADS), key="sweep_workload",
-                                  help="Your prompt: agreement with full's continuation (teacher-forced). A task: "
-                                       "accuracy on items the full cache gets right. A play: streaming perplexity.")]
-    budgets = st.multiselect("Budgets (share of the full cache)", list(BUDGET_CHOICES), list(DEFAULT_BUDGETS),
-                             format_func=lambda b: f"1/{round(1 / b)}" if round(1 / b) * b == 1 else f"{b:.0%}",
-                             key="sweep_budgets",
-                             help="Evictions keep this share of the tokens, lowrank this share of the width; a "
-                                  "quantizer's bit widths and merge_heads' head counts are their own budgets.")
+    workload = choice_setting("Quality measured on", "w", list(WORKLOADS), "prompt", key="sweep_workload",
+                              widget=st.radio, format_func=WORKLOADS.get,
+                              help="Your prompt: agreement with full's continuation (teacher-forced). A task: "
+                                   "accuracy on items the full cache gets right. A play: streaming perplexity.")
+    budgets = choices_setting("Budgets (share of the full cache)", "b", list(BUDGET_CHOICES), list(DEFAULT_BUDGETS),
+                              key="sweep_budgets", cast=float,
+                              format_func=lambda b: f"1/{round(1 / b)}" if round(1 / b) * b == 1 else f"{b:.0%}",
+                              help="Evictions keep this share of the tokens, lowrank this share of the width; a "
+                                   "quantizer's bit widths and merge_heads' head counts are their own budgets.")
     cap = settings().max_new_tokens
-    max_new = st.number_input("Teacher-forced tokens", 1, cap, min(cap, 24), key="sweep_max_new",
-                              disabled=workload != "prompt")
-    chat = st.toggle("Chat template", True, key="sweep_chat", disabled=workload != "prompt")
+    max_new = number_setting("Teacher-forced tokens", "n", min(cap, 24), 1, cap, key="sweep_max_new",
+                             disabled=workload != "prompt")
+    chat = flag_setting("Chat template", "chat", True, key="sweep_chat", disabled=workload != "prompt")
 
 prompt_text: str | None = None
 ids: list[int] | None = None
+task, task_length, play, play_tokens = SWEEP_TASKS[0], 512, "hamlet", 512
 if workload == "prompt":
     prompt_text = prompt_input("sweep", DEFAULT_PROMPT)
     ids = encode(loaded, prompt_text, chat, int(max_new))
 elif workload == "task":
     left, right = st.columns(2)
-    task = left.selectbox("Task", list(SWEEP_TASKS), key="sweep_task")
-    task_length = right.select_slider("Prompt length (tokens)", [256, 512, 1024], 512, key="sweep_task_length")
+    with left:
+        task = choice_setting("Task", "task", list(SWEEP_TASKS), SWEEP_TASKS[0], key="sweep_task")
+    with right:
+        task_length = choice_setting("Prompt length (tokens)", "len", LENGTHS, 512, key="sweep_task_length",
+                                     widget=st.select_slider, cast=int)
 else:
     left, right = st.columns(2)
     try:
@@ -75,17 +83,24 @@ else:
     except LookupError as error:
         st.error(str(error))
         st.stop()
-    play = left.selectbox("Play", plays, plays.index("hamlet") if "hamlet" in plays else 0, key="sweep_play")
-    play_tokens = right.select_slider("Tokens scored", [256, 512, 1024], 512, key="sweep_play_tokens")
+    with left:
+        play = choice_setting("Play", "play", plays, "hamlet" if "hamlet" in plays else plays[0], key="sweep_play")
+    with right:
+        play_tokens = choice_setting("Tokens scored", "tokens", LENGTHS, 512, key="sweep_play_tokens",
+                                     widget=st.select_slider, cast=int)
 
 choices = family_choices()
-families = st.multiselect("Families", list(choices), [f for f in DEFAULT_FAMILIES if f in choices],
-                          format_func=lambda spec: f"{spec} · {choices[spec]}", key="sweep_families",
-                          help="A method named without its budget is a family; one with every parameter fixed "
-                               "(fp8) is one point.")
-extra = st.text_input("More families or fixed SPECs (separated by spaces)", "", key="sweep_extra",
-                      placeholder="lowrank+snapkv:budget=0.25  merge_heads+kivi:bits=4")
+linked_families, typed = families_from_link(list(choices), [f for f in DEFAULT_FAMILIES if f in choices])
+families = linked("sweep_families", linked_families, lambda value: st.multiselect(
+    "Families", list(choices), value, format_func=lambda spec: f"{spec} · {choices[spec]}", key="sweep_families",
+    help="A method named without its budget is a family; one with every parameter fixed (fp8) is one point."))
+extra = linked("sweep_extra", Read(typed), lambda value: st.text_input(
+    "More families or fixed SPECs (separated by spaces)", value, key="sweep_extra",
+    placeholder="lowrank+snapkv:budget=0.25  merge_heads+kivi:bits=4"))
 specs = list(dict.fromkeys([*families, *extra.split()]))
+share_settings(w=workload, m=specs, b=sorted(budgets), n=int(max_new), chat=chat,
+               **({"task": task, "len": task_length} if workload == "task" else {}),
+               **({"play": play, "tokens": play_tokens} if workload == "text" else {}))
 
 problem = None
 try:
