@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from urllib.parse import urlencode
 
 import pandas as pd
@@ -22,7 +23,7 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
     if frame.empty:
         return figure
     for family, rows in frame.groupby("family", sort=False):
-        rows = rows.sort_values("compression")
+        rows = rows.sort_values(["budget", "compression"])  # in the order of the swept parameter
         figure.add_trace(go.Scatter(
             x=rows["compression"], y=rows[measure_key], name=family, mode="lines+markers",
             customdata=rows[["spec", "kv_bytes"]].to_numpy(),
@@ -30,9 +31,13 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
                            f"%{{customdata[1]:,}} B<br>{measure.label} %{{y:.3g}}<extra></extra>")))
     frontier = frame[frame["spec"].isin(report.frontiers.get(measure_key, []))].sort_values("compression")
     figure.add_trace(go.Scatter(x=frontier["compression"], y=frontier[measure_key], name="frontier",
-                                mode="lines", line={"color": "black", "dash": "dot", "width": 3},
-                                hoverinfo="skip"))
-    figure.update_xaxes(type="log", title="compression (times smaller than full, log scale)")
+                                mode="lines+markers", hoverinfo="skip",  # translucent: the lines under it show
+                                line={"color": "rgba(0, 0, 0, 0.3)", "width": 8},
+                                marker={"size": 14, "color": "rgba(0, 0, 0, 0)",
+                                        "line": {"color": "black", "width": 2}}))
+    ticks = [2.0 ** k for k in range(0, 1 + math.ceil(math.log2(max(2.0, frame["compression"].max()))))]
+    figure.update_xaxes(type="log", title="compression (times smaller than full, log scale)", tickvals=ticks,
+                        ticktext=[f"{t:g}x" for t in ticks])
     figure.update_yaxes(title=measure.label + ("" if measure.higher_is_better else " (lower is better)"),
                         tickformat=".0%" if measure.percent else None)
     figure.update_layout(title=f"{measure.label.capitalize()} against memory: {report.workload}",

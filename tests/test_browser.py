@@ -42,10 +42,13 @@ def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0, page.inner_text("body")[:2000]
 
 
-def shoot(page, name: str, anchor: str | None = None) -> None:
-    """Screenshot the page, scrolled so that the heading ``anchor`` is at the top when given."""
-    if anchor is not None:
-        page.get_by_role("heading", name=anchor).first.evaluate("element => element.scrollIntoView()")
+def shoot(page, name: str, anchor: str | None = None, element: str | None = None) -> None:
+    """Screenshot the page, scrolled so that the heading ``anchor`` (or the first ``element``, a CSS selector) is at
+    the top when given."""
+    target = page.get_by_role("heading", name=anchor) if anchor is not None else None
+    target = page.locator(element) if element is not None else target
+    if target is not None:
+        target.first.evaluate("element => element.scrollIntoView()")
         page.wait_for_timeout(500)
     SHOTS.mkdir(parents=True, exist_ok=True)
     path = SHOTS / f"{name}.png"
@@ -336,6 +339,6 @@ def test_trade_offs_default_run_draws_crossing_lines_and_the_frontier(server):
             assert "smaller than full or more" in body and "One prompt is a demonstration" in body
             assert page.locator(".js-plotly-plot").count() == 1
             assert "frontier" in page.locator(".js-plotly-plot").first.inner_text()
-            shoot(page, "tradeoffs")
+            shoot(page, "tradeoffs", element=".js-plotly-plot")
         finally:
             browser.close()

@@ -11,7 +11,9 @@ from kvviz.methods import Sizing, SpecError
 from kvviz.studies.frontier import AGREEMENT, PERPLEXITY, Candidate, on_frontier, recommendation
 from kvviz.studies.sweep import (
     PromptWorkload,
+    SweepPoint,
     TaskWorkload,
+    budget_reversals,
     TextWorkload,
     check_workload,
     family_specs,
@@ -50,6 +52,16 @@ def test_recommendation_names_the_best_point_and_the_best_of_every_other_kind():
     assert len(lines) == 2  # nothing reaches 8x
     assert recommendation([candidates[0]], AGREEMENT, "On x") == ["On x, no configuration was measured below full's "
                                                                   "size."]
+
+
+def test_a_family_that_holds_more_at_a_smaller_budget_is_explained():
+    def point(budget: float, held: int, unquantized: int | None = None) -> SweepPoint:
+        return SweepPoint(f"s:{budget}", "snapkv+kivi", "stack", budget, held, 1000, full_precision_bytes=unquantized)
+
+    steady = [point(0.5, 400), point(0.25, 300), point(0.125, 200)]
+    assert budget_reversals(steady) == []
+    (note,) = budget_reversals([point(0.5, 400), point(0.0625, 500, 450), point(0.125, 300)])
+    assert note.startswith("snapkv+kivi holds more at budget 0.0625 (500 B) than at 0.125 (300 B): 90% of its bytes")
 
 
 @pytest.mark.parametrize(("spec", "member", "swept", "kind"), [
@@ -200,4 +212,6 @@ def test_the_pages_default_run_draws_curves_that_cross(real_model):
         return signs == {True, False}
 
     names = [name for name, curve in curves.items() if len(curve) > 1]
+    # the stack's few kept tokens do not fill a KIVI group at the smallest budgets; the page says so
+    assert any(note.startswith("snapkv+kivi:bits=4,residual=0 holds more at budget") for note in report.notes)
     assert any(cross(curves[a], curves[b]) for i, a in enumerate(names) for b in names[i + 1:])

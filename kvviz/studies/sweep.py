@@ -212,6 +212,7 @@ class SweepPoint:
     accuracy: float | None = None
     perplexity: float | None = None
     factors: dict | None = None  # the formula's split: architecture, eviction, quantization
+    full_precision_bytes: int | None = None  # of kv_bytes, those held unquantized (a quantizer's residual)
     frontier: bool = False  # on the frontier of the workload's main measure
     error: str | None = None
 
@@ -289,6 +290,7 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     points = [SweepPoint(spec, family.spec, family.kind, share) for family, share, spec in planned]
     measure = {"prompt": _measure_prompt, "task": _measure_task, "text": _measure_text}[workload.kind]
     prompt_tokens, notes = measure(loaded, workload, points, progress)
+    notes.extend(budget_reversals(points))
     frontiers = {}
     for quality in workload.measures:
         flags = on_frontier([(p.kv_bytes, getattr(p, quality.key)) for p in points], quality)
@@ -310,6 +312,28 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
                        points, frontiers, summary, time.perf_counter() - started, notes)
 
 
+def budget_reversals(points: list[SweepPoint]) -> list[str]:
+    """A note for each family where a smaller budget holds more bytes than a larger one (a quantizer stacked on an
+    eviction: the few tokens kept do not fill a quantization group, so they stay at full precision)."""
+    notes = []
+    by_family: dict[str, list[SweepPoint]] = {}
+    for point in points:
+        if point.budget is not None and point.kv_bytes:
+            by_family.setdefault(point.family, []).append(point)
+    for family, members in by_family.items():
+        members.sort(key=lambda p: p.budget)
+        for smaller, larger in zip(members, members[1:]):
+            if smaller.kv_bytes > larger.kv_bytes:
+                why = ""
+                if smaller.full_precision_bytes:
+                    why = (f": {smaller.full_precision_bytes / smaller.kv_bytes:.0%} of its bytes are tokens held at "
+                           "full precision because too few were kept to fill a quantization group")
+                notes.append(f"{family} holds more at budget {smaller.budget:g} ({smaller.kv_bytes:,} B) than at "
+                             f"{larger.budget:g} ({larger.kv_bytes:,} B){why}. Its line turns back on the chart.")
+                break
+    return notes
+
+
 def _measure_prompt(loaded: LoadedModel, workload: PromptWorkload, points: list[SweepPoint],
                     progress: Progress | None) -> tuple[int, list[str]]:
     results = teacher_forced(loaded, list(workload.prompt_ids), [p.spec for p in points], workload.max_new_tokens,
@@ -320,6 +344,7 @@ def _measure_prompt(loaded: LoadedModel, workload: PromptWorkload, points: list[
             point.kv_bytes, point.kv_bytes_full = result.kv_bytes, result.kv_bytes_full
             point.agreement_with_full, point.mean_kl = result.agreement_with_full, result.mean_kl
             point.first_divergence = result.first_divergence
+            point.full_precision_bytes = result.kv_breakdown.full_precision
             if result.axis_factors is not None:
                 factors = result.axis_factors
                 point.factors = {"architecture": factors.architecture, "eviction": factors.eviction,
