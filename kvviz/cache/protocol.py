@@ -232,6 +232,9 @@ def topk_keep(scores: torch.Tensor, count: int, forced: torch.Tensor | None = No
     scores = scores.float()
     if forced is not None:
         scores = scores.masked_fill(forced.expand_as(scores), float("inf"))
+    if count == length - 1:  # decoding at the budget: one entry in, one out; drop each head's lowest
+        kept = torch.arange(length - 1, device=scores.device).expand(*scores.shape[:-1], length - 1)
+        return kept + (kept >= scores.argmin(dim=-1, keepdim=True)).long()
     chosen = scores.topk(count, dim=-1).indices
     return chosen.sort(dim=-1).values
 

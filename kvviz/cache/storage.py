@@ -227,6 +227,16 @@ class DenseStorage(KVStorage):
         else:  # the tensor may be shared (a forked prefill): write into a copy
             self.keys, self.owned, self._room = stored.index_copy(2, index, keys), True, None
 
+    def overwrite(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the entries from cache index ``start`` on with ``keys``/``values`` (a quantizer's dequantized
+        group), in place when this storage owns its tensors."""
+        self.materialize()
+        if not self.owned:  # the tensors may be shared (a forked prefill): copy them once, with room
+            self._keep_spans(((0, len(self)),))
+        stop = start + keys.shape[2]
+        self.keys[:, :, start:stop].copy_(keys)
+        self.values[:, :, start:stop].copy_(values)
+
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.pending:
             self._keep_spans(((0, len(self)),))

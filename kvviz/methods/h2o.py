@@ -23,6 +23,11 @@ class H2OState:
         """The accumulated score of each entry at ``positions`` [B, H_kv, T] (ascending per head); 0 for new ones."""
         if self.scores is None:
             return torch.zeros(positions.shape, device=positions.device)
+        known = self.positions.shape[-1]
+        if positions.shape[-1] >= known and torch.equal(positions[..., :known], self.positions):
+            # decoding: the entries kept last time, then the new ones (no index to search)
+            return torch.cat([self.scores, self.scores.new_zeros(*positions.shape[:2], positions.shape[-1] - known)],
+                             dim=-1)
         index = torch.searchsorted(self.positions, positions.contiguous()).clamp(max=self.positions.shape[-1] - 1)
         matched = self.positions.gather(-1, index) == positions
         return torch.where(matched, self.scores.gather(-1, index), torch.zeros((), device=self.scores.device))

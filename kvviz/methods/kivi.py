@@ -12,9 +12,10 @@ every group still holds (int16, counted as metadata) so a token finds its group.
 quantized tokens; the quantized region is cut to the smallest count and the other heads' extra quantized tokens move
 to the residual as their dequantized values (so they cost full-precision bytes until the residual flushes again).
 
-Attention reads dequantized keys and values (a simulated kernel): the storage keeps a dequantized copy of the
-quantized region, updated only when tokens are flushed or evicted; ``nbytes`` counts what a real kernel would hold:
-packed codes, fp16 scales and zeros, group sizes and the full-precision residual.
+Attention reads dequantized keys and values (a simulated kernel): a dense buffer that grows in place holds the
+dequantized quantized region followed by the residual, so decoding writes only the new token and a flush overwrites
+only its group; ``nbytes`` counts what a real kernel would hold: packed codes, fp16 scales and zeros, group sizes
+and the full-precision residual (the buffer's tail).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from kvviz.cache.quant import (
 )
 from kvviz.cache.quantized import refuse_rerotation
 from kvviz.cache.spec import MethodStack, Param, register
-from kvviz.cache.storage import KVStorage, StorageBytes, gather_tokens, tensor_bytes
+from kvviz.cache.storage import DenseStorage, KVStorage, StorageBytes, gather_tokens, tensor_bytes
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
@@ -49,52 +50,40 @@ class GroupQuantStorage(KVStorage):
         self.keys: Quantized | None = None
         self.values: Quantized | None = None
         self.group_sizes: torch.Tensor | None = None  # [B, H, G] int16 once eviction thinned key groups
-        self.dequant_keys: torch.Tensor | None = None  # [B, H, Tq, D] what attention reads of the quantized region
-        self.dequant_values: torch.Tensor | None = None
-        self.res_keys: torch.Tensor | None = None  # [B, H, R, D] full-precision residual, model dtype
-        self.res_values: torch.Tensor | None = None
+        self.read = DenseStorage()  # what attention reads: the dequantized quantized region, then the residual
         self.key_dim = self.value_dim = 0  # MLA models cache keys and values of different widths
         self.dtype = torch.float32
 
     # -- protocol ---------------------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.key_dim, self.value_dim, self.dtype = keys.shape[-1], values.shape[-1], keys.dtype
-        self.res_keys, self.res_values = _cat(self.res_keys, keys), _cat(self.res_values, values)
+        self.read.append(keys, values)
         self._flush()
 
     def keep(self, index: torch.Tensor) -> None:
         quantized = self.quantized_length
-        if quantized == 0:
-            self.res_keys = gather_tokens(self.res_keys, index)
-            self.res_values = gather_tokens(self.res_values, index)
-            self._flush()
-            return
-        cut = int((index < quantized).sum(-1).min())  # every head keeps at least this many quantized tokens
-        kept, moved = index[..., :cut], index[..., cut:]
-        keys, values = self.materialize()
-        self.res_keys, self.res_values = gather_tokens(keys, moved), gather_tokens(values, moved)
-        groups = self._group_of_slot() if self.keys_per_channel else None
-        self.keys = self._gather(self.keys, kept, per_token=not self.keys_per_channel)
-        self.values = self._gather(self.values, kept, per_token=True)
-        self.dequant_keys = gather_tokens(self.dequant_keys, kept)
-        self.dequant_values = gather_tokens(self.dequant_values, kept)
-        if groups is not None:
-            self._regroup(gather_tokens(groups, kept))
+        if quantized:
+            cut = int((index < quantized).sum(-1).min())  # every head keeps at least this many quantized tokens
+            kept = index[..., :cut]  # the rest (other heads' extra quantized tokens) joins the residual, dequantized
+            groups = self._group_of_slot() if self.keys_per_channel else None
+            self.keys = self._gather(self.keys, kept, per_token=not self.keys_per_channel)
+            self.values = self._gather(self.values, kept, per_token=True)
+            if groups is not None:
+                self._regroup(gather_tokens(groups, kept))
+        self.read.keep(index)
         self._flush()
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.dequant_keys is None or self.dequant_keys.shape[2] == 0:
-            return self.res_keys, self.res_values
-        return torch.cat([self.dequant_keys, self.res_keys], 2), torch.cat([self.dequant_values, self.res_values], 2)
+        return self.read.materialize()
 
     def __len__(self) -> int:
-        return self.quantized_length + (0 if self.res_keys is None else self.res_keys.shape[2])
+        return len(self.read)
 
     def nbytes(self) -> StorageBytes:
         codes = tensor_bytes(*(q.codes for q in (self.keys, self.values) if q is not None))
         metadata = tensor_bytes(*(t for q in (self.keys, self.values) if q is not None for t in (q.scale, q.zero)),
                                 self.group_sizes)
-        return StorageBytes(codes=codes, metadata=metadata, full_precision=tensor_bytes(self.res_keys, self.res_values))
+        return StorageBytes(codes=codes, metadata=metadata, full_precision=tensor_bytes(*self.residual_entries()))
 
     # -- internals --------------------------------------------------------------------------------------------
     @property
@@ -103,16 +92,24 @@ class GroupQuantStorage(KVStorage):
 
     @property
     def residual_length(self) -> int:
-        return 0 if self.res_keys is None else self.res_keys.shape[2]
+        return len(self.read) - self.quantized_length
+
+    def residual_entries(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The full-precision residual's keys and values (the read buffer's tail)."""
+        if not len(self.read):
+            return None, None
+        keys, values = self.read.materialize()
+        start = self.quantized_length
+        return keys[:, :, start:], values[:, :, start:]
 
     def _flush(self) -> None:
         """Quantize the oldest whole groups beyond the newest ``residual`` tokens (touches only those tokens)."""
         groups = (self.residual_length - self.residual) // self.group
         if groups <= 0:
             return
-        count = groups * self.group
-        keys, self.res_keys = self.res_keys[:, :, :count], self.res_keys[:, :, count:]
-        values, self.res_values = self.res_values[:, :, :count], self.res_values[:, :, count:]
+        count, start = groups * self.group, self.quantized_length
+        res_keys, res_values = self.residual_entries()
+        keys, values = res_keys[:, :, :count], res_values[:, :, :count]
         if self.keys_per_channel:
             new_keys = quantize_per_channel(keys, self.bits, self.group)
             local = torch.arange(count, device=keys.device) // self.group
@@ -127,9 +124,8 @@ class GroupQuantStorage(KVStorage):
         new_values = quantize_per_token(values, self.bits, self.group)
         self.keys = self._append(self.keys, new_keys)
         self.values = self._append(self.values, new_values)
-        self.dequant_keys = _cat(self.dequant_keys, dequant)
-        self.dequant_values = _cat(self.dequant_values,
-                                   dequantize_per_token(new_values, self.bits, self.value_dim, self.group, self.dtype))
+        self.read.overwrite(start, dequant, dequantize_per_token(new_values, self.bits, self.value_dim, self.group,
+                                                                 self.dtype))
 
     @staticmethod
     def _append(old: Quantized | None, new: Quantized) -> Quantized:

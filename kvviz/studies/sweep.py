@@ -16,6 +16,7 @@ Every point is measured, never interpolated, on one workload:
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -322,7 +323,7 @@ def budget_reversals(points: list[SweepPoint]) -> list[str]:
             by_family.setdefault(point.family, []).append(point)
     for family, members in by_family.items():
         members.sort(key=lambda p: p.budget)
-        for smaller, larger in zip(members, members[1:]):
+        for smaller, larger in itertools.pairwise(members):
             if smaller.kv_bytes > larger.kv_bytes:
                 why = ""
                 if smaller.full_precision_bytes:
