@@ -98,7 +98,9 @@ def test_every_page_in_chromium(server):
             settle(page)
             page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
             no_exception(page)
-            assert "2 * 30 layers * 3 kv_heads * 64 head_dim" in page.inner_text("body")
+            formula = "2 * 30 layers * 3 kv_heads * 64 head_dim"  # a code block, drawn after the script ends
+            page.get_by_text(formula).first.wait_for(timeout=60_000)
+            assert formula in page.inner_text("body")
             shoot(page, "home")
 
             page.goto(f"{server}/Attention?layer=14&head=3", timeout=60_000)
@@ -337,6 +339,7 @@ def test_trade_offs_default_run_draws_crossing_lines_and_the_frontier(server):
             no_exception(page)
             body = page.inner_text("body")
             assert "smaller than full or more" in body and "One prompt is a demonstration" in body
+            page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)  # plotly draws after the script ends
             assert page.locator(".js-plotly-plot").count() == 1
             assert "frontier" in page.locator(".js-plotly-plot").first.inner_text()
             shoot(page, "tradeoffs", element=".js-plotly-plot")

@@ -159,7 +159,7 @@ st.dataframe(table[shown], hide_index=True, width="stretch", column_config={
 st.caption("Open a point in Compare to see what it keeps and where its output parts from full's.")
 
 left, right = st.columns(2)
-left.download_button("Points as CSV", table.drop(columns=["open"]).to_csv(index=False), "kvviz-sweep.csv",
-                     "text/csv")
-right.download_button("Sweep as JSON", json.dumps(report.to_json(), indent=1), "kvviz-sweep.json",
-                      "application/json")
+left.download_button("Points as CSV", lambda: table.drop(columns=["open"]).to_csv(index=False), "kvviz-sweep.csv",
+                     "text/csv", on_click="ignore")
+right.download_button("Sweep as JSON", lambda: json.dumps(report.to_json(), indent=1), "kvviz-sweep.json",
+                      "application/json", on_click="ignore")

@@ -29,8 +29,17 @@ def upload_prompt_text(loaded: LoadedModel, tokens: int) -> str:
     return loaded.tokenizer.decode(body[: max(8, tokens - 40)], skip_special_tokens=True) + question
 
 
-def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeout: float) -> float:
-    """Open Compare from a shared URL, upload the prompt, press Run; seconds from the click to the results."""
+def _script_done(page, timeout: float) -> None:
+    """Wait until the page's script run has finished: its last element is drawn (Streamlit's running indicator
+    is gone), polled every 50 ms."""
+    deadline = time.monotonic() + timeout
+    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
+        page.wait_for_timeout(50)
+
+
+def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeout: float) -> tuple[float, float]:
+    """Open Compare from a shared URL, upload the prompt, press Run; seconds from the click until the results
+    appear, and until the page's last element is drawn."""
     page.goto(url, timeout=timeout * 1000)
     page.get_by_role("button", name="Run comparison").wait_for(timeout=timeout * 1000)
     settle(page, timeout)
@@ -40,9 +49,11 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     started = time.perf_counter()
     page.get_by_role("button", name="Run comparison").click()
     page.get_by_text(f" on {prompt_tokens} prompt tokens").wait_for(timeout=timeout * 1000)
-    seconds = time.perf_counter() - started
+    shown = time.perf_counter() - started
+    _script_done(page, timeout)
+    drawn = time.perf_counter() - started
     settle(page, timeout)
-    return seconds
+    return shown, drawn
 
 
 # A step's run is on screen once its closing text is: the "Notice:" box (steps 1-5) or the closing caption (step 6).
@@ -144,17 +155,19 @@ def app(run: BenchRun) -> Section:
             browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
             try:
                 log("  app: the same comparison through the Compare page")
-                app_seconds = _compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
-                                                  f"{base}/Compare?{query}", upload, len(ids), timeout)
+                app_seconds, _ = _compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
+                                                     f"{base}/Compare?{query}", upload, len(ids), timeout)
                 engine_run()  # engine timed before and after the app, so a slow spell hits both sides
                 log("  app: the cached result, opened from a new session")
-                cached = _compare_in_browser(browser.new_page(), f"{base}/Compare?{query}", upload, len(ids),
-                                             timeout)
+                cached_shown, cached = _compare_in_browser(browser.new_page(), f"{base}/Compare?{query}", upload,
+                                                           len(ids), timeout)
                 section.add("app_vs_engine", app_seconds / statistics.mean(engine), "x", "<= 1.15",
                             note=f"app {app_seconds:.1f} s, engine {statistics.mean(engine):.1f} s "
                                  f"({' / '.join(f'{e:.1f}' for e in engine)}); {len(specs)} configurations, "
                                  f"{len(ids)} prompt tokens, {sizes.app_tokens} new tokens")
-                section.add("cached_rerender", cached, "s", "<= 2")
+                section.add("cached_rerender", cached, "s", "<= 1",
+                            note=f"from the click until the page's last element is drawn (results shown after "
+                                 f"{cached_shown:.2f} s)")
                 if sizes.lessons:
                     _time_lessons(section, browser, base, timeout, log)
             finally:
