@@ -163,3 +163,21 @@ def test_layers_without_received_attention_run_sdpa_and_still_report_exact_sink_
     assert ours.sink_mass_per_layer() == pytest.approx(reference.sink_mass_per_layer(), abs=1e-5)
     held = ours.sink_mass[0]
     assert held.untyped_storage().nbytes() == held.numel() * 4, "must not keep the layer's attention output alive"
+
+
+def test_masked_grouped_attention_on_cpu_equals_transformers_sdpa():
+    """kvviz lets the CPU kernel group query heads over a masked cache; transformers would copy each KV head."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kvviz.cache.attention import _sdpa
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 6, 1, 16), torch.randn(3, 2, 40, 16), torch.randn(3, 2, 40, 16)
+    mask = torch.ones(3, 1, 1, 40, dtype=torch.bool)
+    mask[1, ..., :25] = False  # a padded row
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True, layer_idx=0)
+    ours, _ = _sdpa(module, query, key, value, mask, 0.25, 0.0)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.25, dropout=0.0)
+    assert torch.allclose(ours, theirs, atol=1e-6)

@@ -83,3 +83,25 @@ def test_defaults_are_the_papers_20_percent():
 def test_bad_values_give_one_line():
     with pytest.raises(SpecError, match="bad value in 'h2o:heavy=-1'"):
         parse_spec("h2o:heavy=-1")
+
+
+def test_carried_scores_follow_positions_when_decoding_and_when_the_cache_kept_more():
+    from kvviz.methods.h2o import H2OState
+
+    state = H2OState(torch.tensor([[[1.0, 2.0, 3.0]]]), torch.tensor([[[0, 2, 5]]]))
+    decoding = state.carried(torch.tensor([[[0, 2, 5, 6]]]))  # what H2O kept, then the new token
+    assert decoding.tolist() == [[[1.0, 2.0, 3.0, 0.0]]]
+    protected = state.carried(torch.tensor([[[0, 1, 2, 5, 6]]]))  # a protected span kept position 1 as well
+    assert protected.tolist() == [[[1.0, 0.0, 2.0, 3.0, 0.0]]]
+
+
+def test_one_over_the_budget_drops_each_heads_lowest_as_topk_would():
+    from kvviz.cache.protocol import topk_keep
+
+    torch.manual_seed(0)
+    scores = torch.rand(2, 3, 9)
+    forced = torch.zeros(9, dtype=torch.bool)
+    forced[-2:] = True
+    kept = topk_keep(scores, 8, forced)
+    expected = scores.masked_fill(forced, float("inf")).topk(8, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(kept, expected)

@@ -179,3 +179,15 @@ def test_comparison_reports_quantization_error_from_its_own_prefill(tiny_model):
     assert report.errors["kivi:residual=0"].value == pytest.approx(alone.value)
     assert torch.equal(report.key_channels.absmax, key_channel_stats(kv).absmax)
     assert compare(tiny_model, ids, ["full", "window:window=16"], 2).quantization is None
+
+
+def test_decoding_writes_each_token_in_place_without_copying_the_cache():
+    keys, values = _kv(70)
+    storage = _storage("kivi:bits=4,group=8,residual=4")
+    storage.append(keys[:, :, :60], values[:, :, :60])
+    first, _ = storage.materialize()
+    for step in range(60, 70):  # flushes a group on the way: it overwrites only that group
+        storage.append(keys[:, :, step:step + 1], values[:, :, step:step + 1])
+        read, _ = storage.materialize()
+        assert read.data_ptr() == first.data_ptr() and read.shape[2] == step + 1
+    assert torch.equal(read[:, :, storage.quantized_length:], keys[:, :, storage.quantized_length:])
