@@ -250,7 +250,9 @@ def load_model(
     from transformers.utils import logging as hf_logging
 
     from kvviz.cache.attention import install_attention
+    from kvviz.runtime.allocator import share_freed_memory
 
+    share_freed_memory()
     hf_logging.disable_progress_bar()
     source, is_local = resolve_source(name)
     device = resolve_device(device)

@@ -24,8 +24,9 @@ import torch
 from kvviz.runtime.batch import DecodeGroup, step_groups
 from kvviz.runtime.turns import FairLock
 
-RUNS_TOGETHER = 8  # runs a server admits into one running batch at once (each holds its caches: ~0.3 GB for a
-# 2K-token comparison of six configurations on SmolLM2); the app's queue and the bench's classroom use it
+RUNS_TOGETHER = 8  # runs a server admits into one running batch at once; each holds its caches while it decodes
+# (four 2K-token comparisons of six configurations on SmolLM2 held 3 GB more together than one at a time, measured
+# on the CPU); the app's queue and the bench's classroom use it
 
 
 class SharedDecoder:
