@@ -196,6 +196,21 @@ def run_request(loaded: LoadedModel, request: RunRequest, start_text: str, reque
     return found
 
 
+def run_pressed(loaded: LoadedModel, key: str, waiting: str, start_text: str) -> tuple[RunRequest, object]:
+    """The request a page's run button stored in session state under ``key``, and its result (:func:`run_request`).
+    Until the button is pressed the page shows ``waiting`` and stops; a request the engine refuses (ValueError)
+    shows its one-line message and stops."""
+    request = st.session_state.get(key)
+    if request is None:
+        st.info(waiting)
+        st.stop()
+    try:
+        return request, run_request(loaded, request, start_text, request_key=key)
+    except ValueError as error:
+        st.error(str(error))
+        st.stop()
+
+
 def run_comparison(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int,
                    request_key: str | None = None) -> Comparison:
     """A comparison through the shared queue with a live progress bar (instant when the same inputs ran before)."""

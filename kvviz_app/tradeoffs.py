@@ -61,6 +61,6 @@ def families_from_link(offered: list[str], default: list[str]) -> tuple[Read[lis
         return Read(default), ""
     listed = list(dict.fromkeys(v for v in raw if v in offered))
     typed = list(dict.fromkeys(v.strip() for v in raw if v not in offered and v.strip()))
-    empty = len([v for v in raw if not v.strip()])
-    notice = (f"The link's {shown('m', '')} is empty; it is left out." if empty else None)
+    empty = any(not v.strip() for v in raw)
+    notice = f"The link's {shown('m', '')} is empty; it is left out." if empty else None
     return Read(listed, notice), " ".join(typed)

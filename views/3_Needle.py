@@ -9,7 +9,7 @@ from kvviz.runs import NeedleRequest
 from kvviz.studies.needle import MODES
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
-from kvviz_app.queue import run_request
+from kvviz_app.queue import run_pressed
 from kvviz_app.url import choice_setting, choices_setting, flag_setting, number_setting, plural, share_settings
 from kvviz_app.widgets import method_grid
 
@@ -54,15 +54,8 @@ if st.button("Run the grid", type="primary", disabled=not ready):
     st.session_state["needle_request"] = NeedleRequest(tuple(valid), tuple(sorted(lengths)), tuple(sorted(depths)),
                                                        int(trials), mode, chat, int(max_new))
 
-request = st.session_state.get("needle_request")
-if request is None:
-    st.info("Choose methods and a grid, then press **Run the grid**.")
-    st.stop()
-try:
-    report = run_request(loaded, request, "Building haystacks…", request_key="needle_request")
-except ValueError as error:
-    st.error(str(error))
-    st.stop()
+_, report = run_pressed(loaded, "needle_request", "Choose methods and a grid, then press **Run the grid**.",
+                        "Building haystacks…")
 frame = report.to_frame()
 found = frame.groupby("method", sort=False)["found"].mean()
 st.success(f"{plural(len(frame), 'run')} in {report.seconds:.1f} s. Found: "

@@ -11,7 +11,7 @@ from kvviz.studies.tail import MAX_HOPS, MODES, PROTECT, TASKS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import token_texts
-from kvviz_app.queue import run_request
+from kvviz_app.queue import run_pressed
 from kvviz_app.url import choice_setting, choices_setting, plural, share_settings
 from kvviz_app.widgets import method_grid
 
@@ -63,15 +63,8 @@ if st.button("Run the tasks", type="primary", disabled=not ready):
     st.session_state["tail_request"] = TailRequest(tuple(valid), tuple(tasks), tuple(sorted(lengths)),
                                                    tuple(sorted(depths)), tuple(sorted(hops)), mode, tuple(protect))
 
-request = st.session_state.get("tail_request")
-if request is None:
-    st.info("Choose tasks and methods, then press **Run the tasks**.")
-    st.stop()
-try:
-    report = run_request(loaded, request, "Building prompts…", request_key="tail_request")
-except ValueError as error:
-    st.error(str(error))
-    st.stop()
+_, report = run_pressed(loaded, "tail_request", "Choose tasks and methods, then press **Run the tasks**.",
+                        "Building prompts…")
 
 calibration = pd.DataFrame(report.calibration)
 beyond = calibration[calibration["kept"] == 0]["task"].tolist()

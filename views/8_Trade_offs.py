@@ -12,7 +12,7 @@ from kvviz.studies.perplexity import play_names
 from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, SWEEP_TASKS, check_sweep, read_family
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, prompt_input
-from kvviz_app.queue import run_request
+from kvviz_app.queue import run_pressed
 from kvviz_app.tradeoffs import compare_link, families_from_link, tradeoff_figure
 from kvviz_app.url import Read, choice_setting, choices_setting, flag_setting, linked, number_setting, share_settings
 
@@ -119,15 +119,9 @@ if st.button("Run the sweep", type="primary", disabled=not ready):
     st.session_state["sweep_request"] = request
     st.session_state["sweep_prompt"] = prompt_text if workload == "prompt" else None
 
-request = st.session_state.get("sweep_request")
-if request is None:
-    st.info("Choose the workload, the families and the budgets, then press **Run the sweep**.")
-    st.stop()
-try:
-    report = run_request(loaded, request, "Sizing every family…", request_key="sweep_request")
-except ValueError as error:
-    st.error(str(error))
-    st.stop()
+request, report = run_pressed(
+    loaded, "sweep_request", "Choose the workload, the families and the budgets, then press **Run the sweep**.",
+    "Sizing every family…")
 
 count = len(report.points)
 st.success(f"{count} configuration{'s' if count != 1 else ''} on {report.workload} in {report.seconds:.1f} s.")

@@ -72,12 +72,18 @@ def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float
                 process.wait()
 
 
-def settle(page, timeout: float = 600, pause: float = 0.3) -> None:
-    """Wait until the page's script run finished (Streamlit's running indicator is gone), ``pause`` seconds before
-    looking (a run may not have started yet) and after (the last elements drawn)."""
-    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
+def script_done(page, timeout: float, poll: float = 0.1) -> None:
+    """Wait (at most ``timeout`` seconds, looking every ``poll``) until the page's script run has finished: its last
+    element is drawn and Streamlit's running indicator is gone."""
     deadline = time.monotonic() + timeout
-    page.wait_for_timeout(pause * 1000)
     while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
-        page.wait_for_timeout(100)
+        page.wait_for_timeout(poll * 1000)
+
+
+def settle(page, timeout: float = 600, pause: float = 0.3) -> None:
+    """Wait until the page's script run finished (:func:`script_done`), ``pause`` seconds before looking (a run may
+    not have started yet) and after (the last elements drawn)."""
+    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
+    page.wait_for_timeout(pause * 1000)
+    script_done(page, timeout - pause)
     page.wait_for_timeout(pause * 1000)

@@ -14,7 +14,7 @@ import time
 import urllib.parse
 from pathlib import Path
 
-from kvviz.bench.browser import CHROMIUM_ARGS, chromium_path, served_app, settle
+from kvviz.bench.browser import CHROMIUM_ARGS, chromium_path, script_done, served_app, settle
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import prompt_tokens
@@ -27,14 +27,6 @@ def upload_prompt_text(loaded: LoadedModel, tokens: int) -> str:
     question = "\n\nIn one sentence, what happens in the passage above?"
     body = prompt_tokens(loaded, tokens)
     return loaded.tokenizer.decode(body[: max(8, tokens - 40)], skip_special_tokens=True) + question
-
-
-def _script_done(page, timeout: float) -> None:
-    """Wait until the page's script run has finished: its last element is drawn (Streamlit's running indicator
-    is gone), polled every 50 ms."""
-    deadline = time.monotonic() + timeout
-    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
-        page.wait_for_timeout(50)
 
 
 def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeout: float) -> tuple[float, float]:
@@ -50,7 +42,7 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     page.get_by_role("button", name="Run comparison").click()
     page.get_by_text(f" on {prompt_tokens} prompt tokens").wait_for(timeout=timeout * 1000)
     shown = time.perf_counter() - started
-    _script_done(page, timeout)
+    script_done(page, timeout, poll=0.05)
     drawn = time.perf_counter() - started
     settle(page, timeout)
     return shown, drawn
