@@ -11,6 +11,7 @@ from kvviz.engine.session import PromptSession, compare
 from kvviz.runtime.prefix import (
     PrefixCache,
     block_hashes,
+    prefill_together,
     prefill_with_prefix,
     prefix_cache_for,
     reusable_tokens,
@@ -102,6 +103,28 @@ def test_reused_prefill_equals_fresh_prefill(tiny_model, story_ids):
     for a, b in zip(reused.cache.layers, fresh.cache.layers, strict=True):
         assert torch.allclose(a.storage.materialize()[0], b.storage.materialize()[0], atol=1e-5)
         assert torch.equal(a.positions, b.positions)
+
+
+def test_prompts_prefilled_together_equal_each_prefilled_alone(tiny_model, story_ids):
+    cache = PrefixCache(block_tokens=16)
+    prefill_with_prefix(tiny_model, story_ids[:40], cache)  # the third prompt reuses its first two blocks
+    prompts = [story_ids[:23], story_ids[50:90], story_ids[:37], story_ids[100:101]]
+    together = prefill_together(tiny_model, prompts, cache)
+    assert [run.lookup.reused_tokens for run in together] == [16, 0, 32, 0]
+    for prompt, run in zip(prompts, together, strict=True):
+        alone = prefill_with_prefix(tiny_model, prompt, cache, store=False)
+        assert torch.allclose(run.last_logits, alone.last_logits, atol=1e-5)
+        assert run.cache.prompt_length == len(prompt)
+        for ours, theirs in zip(run.cache.layers, alone.cache.layers, strict=True):
+            assert len(ours.storage) == len(prompt), "padding is never stored"
+            for a, b in zip(ours.storage.materialize(), theirs.storage.materialize(), strict=True):
+                assert torch.allclose(a, b, atol=1e-5)
+            assert torch.equal(ours.positions, theirs.positions) and torch.equal(ours.rotary, theirs.rotary)
+    assert prefix_lookup_reuses(cache, story_ids[50:90]) == 32, "each prompt stores its own new blocks"
+
+
+def prefix_lookup_reuses(cache: PrefixCache, prompt: list[int]) -> int:
+    return cache.lookup(prompt).reused_tokens
 
 
 def test_snapkv_served_from_a_partial_prefill_keeps_the_same_tokens(tiny_model, story_ids):

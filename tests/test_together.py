@@ -6,7 +6,8 @@ import time
 
 from kvviz.engine.session import compare
 from kvviz.methods.window import Window
-from kvviz.runtime.together import shared_decoder
+from kvviz.runtime import prefix
+from kvviz.runtime.together import shared_decoder, shared_prefill
 from tests.test_batched import assert_same_rows
 
 FIRST_SPECS = ["window:window=8", "h2o:heavy=4,recent=4", "snapkv:budget=16,window=4"]
@@ -83,6 +84,33 @@ def test_one_users_failing_method_does_not_touch_another_users_run(tiny_model, s
     for ours, theirs in zip(hurt.results, alone[1].results, strict=True):
         if ours.method != "window:window=8":
             assert ours.error is None and ours.token_ids == theirs.token_ids, ours.method
+
+
+def test_prompts_waiting_together_share_one_prefill_and_each_run_equals_alone(tiny_model, story_ids):
+    prefills = shared_prefill(tiny_model)
+    forwards, shared = prefills.forwards, prefills.shared_forwards
+    specs = ["window:window=8", "kivi:bits=2", "streaming_llm:sinks=2,window=6"]  # nothing records the prompt
+    runs = [dict(prompt_ids=story_ids[:31], specs=specs, max_new_tokens=6),
+            dict(prompt_ids=story_ids[40:83], specs=specs[:1], max_new_tokens=3),
+            dict(prompt_ids=story_ids[7:27], specs=specs[1:], max_new_tokens=5),
+            dict(prompt_ids=story_ids[:50], specs=["snapkv:budget=16,window=4"], max_new_tokens=4)]
+    outcomes = together(tiny_model, runs)
+    assert (prefills.forwards - forwards, prefills.shared_forwards - shared) == (1, 1), \
+        "the three prompts nobody records shared one forward; SnapKV's capture prefilled on its own"
+    for outcome, run in zip(outcomes, runs, strict=True):
+        assert_same_rows(outcome, compare(tiny_model, **run, batched=False))
+
+
+def test_a_shared_prefill_that_fails_fails_every_run_in_it(tiny_model, story_ids, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("simulated: out of memory")
+
+    monkeypatch.setattr(prefix, "prefill_rows", out_of_memory)
+    runs = [dict(prompt_ids=story_ids[i:i + 20], specs=["window:window=8"], max_new_tokens=3) for i in (0, 30)]
+    outcomes = together(tiny_model, runs)
+    assert [str(outcome) for outcome in outcomes] == ["simulated: out of memory"] * 2
+    monkeypatch.undo()
+    assert compare(tiny_model, **runs[0]).by_method("full").error is None, "the model serves the next run"
 
 
 def test_a_caller_holding_the_model_decodes_alone(tiny_model, story_ids):

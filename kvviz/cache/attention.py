@@ -60,13 +60,16 @@ _listeners: contextvars.ContextVar[tuple[AttentionListener, ...]] = contextvars.
 class KeyPart:
     """Batch rows ``rows`` of a forward and the keys they attend over: ``keys``/``values`` [b, H_kv, T, D],
     ``hidden`` [b, H_kv, T] True on slots attention must skip (padding of heads that keep unequal counts, blocked
-    entries) or None, and ``listener``: the row's own attention listener (a method scoring at decode time) or None."""
+    entries) or None, ``listener``: the row's own attention listener (a method scoring at decode time) or None, and
+    ``queries``: how many of the forward's query positions are this row's (prompts of unequal lengths prefilled in
+    one forward are padded at their end; the padding's outputs are zeros)."""
 
     rows: slice
     keys: torch.Tensor
     values: torch.Tensor
     hidden: torch.Tensor | None = None
     listener: AttentionListener | None = None
+    queries: int | None = None  # this row's first queries in a right-padded batch of prompts; None: every query
 
 
 class KeySource(Protocol):
@@ -91,18 +94,26 @@ def listening(*listeners: AttentionListener):
         _listeners.reset(token)
 
 
+def listened() -> bool:
+    """Whether an attention listener is active in this thread: a forward run by another thread would escape it."""
+    return bool(_listeners.get())
+
+
 def _with_padding_mask(attention_mask: torch.Tensor | None, padding: torch.Tensor, q_heads: int,
                        q_len: int) -> torch.Tensor:
     """A per-query-head bool mask [B, H_q, q, T] (True = attend) that also hides ``padding`` [B, H_kv, T]."""
     batch, kv_heads, k_len = padding.shape
     allowed = (~padding).repeat_interleave(q_heads // kv_heads, dim=1).unsqueeze(2)  # [B, H_q, 1, T]
     if attention_mask is None:
-        causal = torch.arange(k_len, device=padding.device) <= (
-            torch.arange(q_len, device=padding.device).unsqueeze(1) + k_len - q_len)
-        return allowed & causal
+        return allowed & _causal(q_len, k_len, padding.device)
     if attention_mask.dtype == torch.bool:
         return allowed & attention_mask[..., :k_len]
     return allowed & (attention_mask[..., :k_len] == 0)
+
+
+def _causal(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """[q, T] True where a query may attend: the queries are the last ``q_len`` tokens of the ``k_len`` keys."""
+    return torch.arange(k_len, device=device) <= torch.arange(q_len, device=device).unsqueeze(1) + k_len - q_len
 
 
 def _block_rows(row_bytes: int, q_len: int, device: torch.device) -> int:
@@ -226,12 +237,18 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         return _attend(module, query, part.keys, part.values, attention_mask, scaling, dropout, listeners + own,
                        **kwargs)
     outputs = []
-    for part in parts:  # rows of one query each: a row sees all its keys, so only skipped slots need a mask
-        rows = query[part.rows]
-        mask = None if part.hidden is None else _with_padding_mask(None, part.hidden.to(key.device), rows.shape[1],
-                                                                   rows.shape[2])
+    for part in parts:  # each row over its own keys: its new queries are their last tokens
+        rows = query[part.rows] if part.queries is None else query[part.rows, :, :part.queries]
+        q_len, k_len = rows.shape[2], part.keys.shape[2]
+        if part.hidden is not None:
+            mask = _with_padding_mask(None, part.hidden.to(key.device), rows.shape[1], q_len)
+        else:  # SDPA's own causal mask aligns queries with the first keys: right only when there are no others
+            mask = _causal(q_len, k_len, key.device).view(1, 1, q_len, k_len) if 1 < q_len < k_len else None
         own = [part.listener] if part.listener is not None else []
-        outputs.append(_attend(module, rows, part.keys, part.values, mask, scaling, dropout, own, **kwargs)[0])
+        output = _attend(module, rows, part.keys, part.values, mask, scaling, dropout, own, **kwargs)[0]
+        if q_len < query.shape[2]:
+            output = torch.nn.functional.pad(output, (0, 0, 0, 0, 0, query.shape[2] - q_len))
+        outputs.append(output)
     return torch.cat(outputs), None
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvviz.cache.architecture import ArchitectureStorage, axis_factors
-from kvviz.cache.attention import listening
+from kvviz.cache.attention import listened, listening
 from kvviz.cache.capture import CaptureConfig, recording_layer_inputs
 from kvviz.cache.kvcache import KVCache
 from kvviz.cache.ledger import EvictionLedger
@@ -30,7 +30,7 @@ from kvviz.runtime.batch import ROW_ERRORS, DecodeGroup, Row
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
 from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
-from kvviz.runtime.together import shared_decoder
+from kvviz.runtime.together import shared_decoder, shared_prefill
 
 
 class PromptError(ValueError):
@@ -117,6 +117,13 @@ class PromptSession:
                                 run.lookup.reused_tokens)
         self._capture = capture
         return self._prefill
+
+    def prefill_shared(self) -> None:
+        """Prefill the prompt in the model's shared prefill, in one forward with other runs' prompts waiting then
+        (:class:`kvviz.runtime.together.SharedPrefill`); for a prompt nobody records, called without the lock."""
+        run = shared_prefill(self.loaded).prefill(self.prompt_ids, self.reuse_prefix)
+        self._prefill = Prefill(run.cache, run.last_logits, None, run.seconds, run.lookup.reused_tokens)
+        self._capture = None
 
     def fork(self, stack: MethodStack, ledger: bool = True, protect: list[tuple[int, int]] | None = None) -> KVCache:
         """A cache for ``stack`` holding the prompt, compressed as the method decides after prefill.
@@ -224,9 +231,12 @@ def compare(
     if not any(s.label == "full" for s in stacks):
         stacks.insert(0, parse_spec("full"))
     stacks.sort(key=lambda s: s.label != "full")
+    capture = capture_for(stacks)  # one capture serves every method: forks never re-prefill
+    session = PromptSession(loaded, prompt_ids, reuse_prefix)
+    if capture is None and not listened():  # nothing records the prompt: it may share a forward with others'
+        session.prefill_shared()
     with loaded.lock:  # released before a batched decode: the running batch takes it step by step
-        session = PromptSession(loaded, prompt_ids, reuse_prefix)
-        prefill = session.prefill(capture_for(stacks))  # one capture serves every method: forks never re-prefill
+        prefill = session.prefill(capture)
         quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
         if batched:
             rows = _fork_rows(session, stacks, progress)

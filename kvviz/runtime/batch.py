@@ -96,9 +96,11 @@ class BatchLayer(FirstUpdateLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.parts = []
+        fed = self.batch.fed
         for index, row in enumerate(self.batch.rows):
             rows = slice(index, index + 1)
-            keys, values, hidden, listener = key_states[rows], value_states[rows], None, None
+            queries = None if fed is None else fed[index]
+            keys, values, hidden, listener = key_states[rows, :, :queries], value_states[rows, :, :queries], None, None
             if index not in self.batch.failures:
                 layer = row.layers[self.layer_idx]
                 try:
@@ -107,11 +109,11 @@ class BatchLayer(FirstUpdateLayer):
                     listener = RowListener(self.batch, index) if row.wants(self.layer_idx) else None
                 except ROW_ERRORS as error:  # the row leaves after this forward; its new entry stands in
                     self.batch.failures[index] = error
-            self.parts.append(KeyPart(rows, keys, values, hidden, listener))
+            self.parts.append(KeyPart(rows, keys, values, hidden, listener, queries))
         return key_states, value_states
 
     def get_mask_sizes(self, cache_position: torch.Tensor) -> tuple[int, int]:
-        return self.get_seq_length() + 1, 0
+        return self.get_seq_length() + cache_position.shape[0], 0
 
     def get_seq_length(self) -> int:
         return max(row.layers[self.layer_idx].get_seq_length() for row in self.batch.rows)
@@ -121,11 +123,13 @@ class BatchLayer(FirstUpdateLayer):
 
 
 class BatchCache(Cache):
-    """The rows' caches as one transformers Cache for a forward of one token per row, and the key source of
-    kvviz's attention for that forward (each row attends over its own keys)."""
+    """The rows' caches as one transformers Cache for a forward of one token per row (or of each row's prompt,
+    right-padded to the longest: ``fed`` holds each row's own count), and the key source of kvviz's attention for
+    that forward (each row attends over its own keys)."""
 
-    def __init__(self, rows: list[KVCache]):
+    def __init__(self, rows: list[KVCache], fed: list[int] | None = None):
         self.rows = rows
+        self.fed = fed
         self.failures: dict[int, BaseException] = {}
         super().__init__(layers=[BatchLayer(self, i) for i in range(len(rows[0].layers))])
 
@@ -157,6 +161,34 @@ def forward_rows(model: torch.nn.Module, caches: list[KVCache], tokens: list[int
         logits_to_keep=1,
     )
     return output.logits[:, -1], batch.failures
+
+
+def prefill_rows(model: torch.nn.Module, caches: list[KVCache], fed: list[list[int]], starts: list[int],
+                 device: str) -> tuple[torch.Tensor, dict[int, BaseException]]:
+    """Prompts of different runs in one forward: row i's tokens ``fed[i]`` at absolute positions from ``starts[i]``
+    into ``caches[i]`` (dense, perhaps seeded with a reused prefix), each padded at its end to the longest. Padding
+    comes after a row's tokens, which never attend to it, and is never stored. Returns each row's last-token
+    logits [N, vocab] and the rows that failed."""
+    width = max(len(tokens) for tokens in fed)
+    batch = BatchCache(caches, [len(tokens) for tokens in fed])
+    rotary = []
+    for cache, tokens, start in zip(caches, fed, starts, strict=True):
+        position_ids, _ = cache.begin_forward(torch.arange(start, start + len(tokens)), 0)
+        padding = int(position_ids[0, -1]) + 1 + torch.arange(width - len(tokens))
+        rotary.append(torch.cat([position_ids[0], padding]))
+    lasts = sorted({len(tokens) - 1 for tokens in fed})  # the lm head runs on these positions only
+    stored = max(cache.get_seq_length() for cache in caches)
+    output = model(
+        input_ids=torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in fed], device=device),
+        past_key_values=batch,
+        key_source=batch,
+        position_ids=torch.stack(rotary).to(device),
+        cache_position=torch.arange(stored, stored + width, device=device),
+        use_cache=True,
+        logits_to_keep=torch.tensor(lasts, device=device),
+    )
+    columns = torch.tensor([lasts.index(len(tokens) - 1) for tokens in fed], device=device)
+    return output.logits[torch.arange(len(fed), device=device), columns], batch.failures
 
 
 def _copy_cache(cache: KVCache) -> KVCache:

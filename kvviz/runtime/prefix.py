@@ -29,6 +29,7 @@ import torch
 
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.kvcache import KVCache
+from kvviz.runtime.batch import prefill_rows
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.replay import forward_step
 
@@ -290,6 +291,18 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _seeded(prefix: PrefixCache | None, token_ids: list[int], limit: int | None,
+            num_layers: int) -> tuple[PrefixLookup, KVCache]:
+    """The prompt's block table and a cache holding its reused blocks (nothing reused without a prefix cache)."""
+    if prefix is None:
+        lookup, cache = PrefixLookup(len(token_ids), BLOCK_TOKENS, [], 0), KVCache(num_layers)
+    else:
+        lookup = prefix.lookup(token_ids, limit)
+        cache = prefix.seed(lookup, num_layers)
+    cache.prompt_length = len(token_ids)
+    return lookup, cache
+
+
 def prefill_with_prefix(loaded: LoadedModel, token_ids: list[int], prefix: PrefixCache | None,
                         limit: int | None = None, store: bool = True) -> PrefixPrefill:
     """Prefill ``token_ids``, reusing ``prefix``'s longest block prefix (within ``limit`` tokens) and feeding only
@@ -297,17 +310,10 @@ def prefill_with_prefix(loaded: LoadedModel, token_ids: list[int], prefix: Prefi
 
     Attention listeners active around the call see the fed tokens' queries only (see :func:`reusable_tokens`).
     """
-    num_layers = loaded.config.num_hidden_layers
     _sync(loaded.device)
     started = time.perf_counter()
-    if prefix is None:
-        lookup = PrefixLookup(len(token_ids), BLOCK_TOKENS, [], 0)
-        cache = KVCache(num_layers)
-    else:
-        lookup = prefix.lookup(token_ids, limit)
-        cache = prefix.seed(lookup, num_layers)
+    lookup, cache = _seeded(prefix, token_ids, limit, loaded.config.num_hidden_layers)
     start = lookup.reused_tokens
-    cache.prompt_length = len(token_ids)
     with torch.inference_mode():
         logits = forward_step(loaded.model, cache, token_ids[start:], start, 0, loaded.device)
     _sync(loaded.device)
@@ -315,6 +321,35 @@ def prefill_with_prefix(loaded: LoadedModel, token_ids: list[int], prefix: Prefi
     if prefix is not None and store:
         prefix.store(token_ids, cache)
     return PrefixPrefill(cache, logits, lookup, seconds)
+
+
+def prefill_together(loaded: LoadedModel, prompts: list[list[int]],
+                     prefix: PrefixCache | None) -> list[PrefixPrefill | BaseException]:
+    """Several runs' prompts in one forward (:func:`kvviz.runtime.batch.prefill_rows`), each reusing its own longest
+    cached prefix and storing its new blocks after, as :func:`prefill_with_prefix` does alone; nobody listens to
+    their attention. Each result's ``seconds`` is the whole forward's, which is how long each prompt waited for its
+    first token. A row that failed gets its error in place of its prefill."""
+    if len(prompts) == 1:
+        return [prefill_with_prefix(loaded, prompts[0], prefix)]
+    _sync(loaded.device)
+    started = time.perf_counter()
+    seeded = [_seeded(prefix, tokens, None, loaded.config.num_hidden_layers) for tokens in prompts]
+    starts = [lookup.reused_tokens for lookup, _ in seeded]
+    caches = [cache for _, cache in seeded]
+    with torch.inference_mode():
+        logits, failures = prefill_rows(loaded.model, caches, [t[s:] for t, s in zip(prompts, starts, strict=True)],
+                                        starts, loaded.device)
+    _sync(loaded.device)
+    seconds = time.perf_counter() - started
+    results: list[PrefixPrefill | BaseException] = []
+    for index, (tokens, (lookup, cache)) in enumerate(zip(prompts, seeded, strict=True)):
+        if index in failures:
+            results.append(failures[index])
+            continue
+        if prefix is not None:
+            prefix.store(tokens, cache)
+        results.append(PrefixPrefill(cache, logits[index], lookup, seconds))
+    return results
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Runs of different users decoding together: every run's rows in one forward per step (continuous batching).
 
-A run (one thread per run, as the app's queue runs them) prefills and forks on its own, holding the model's lock, then
+A run (one thread per run, as the app's queue runs them) prefills, then forks on its own holding the model's lock, then
 hands its rows, a :class:`~kvviz.runtime.batch.DecodeGroup`, to the model's :class:`SharedDecoder` and waits. The groups
 waiting form one running batch: each step, whichever waiting thread holds the turn takes the model's lock, steps
 every group admitted so far in one forward (:func:`kvviz.runtime.batch.step_groups`) and passes the turn on. A group
@@ -12,16 +12,23 @@ Each row does exactly what it does alone (its own cache, sampler and step count)
 same run decoded alone, token for token. A group whose step fails (its progress report raised because its user
 cancelled) leaves with that error at that step; a row that fails leaves its run's result with that row's error
 only; a forward that fails as a whole (out of memory) fails the runs in it.
+
+Prefills are shared the same way (:class:`SharedPrefill`): prompts queued while the model is busy go through one
+forward, each row over its own keys, padded at its end. A short prompt's forward on a CPU is bound by reading the
+weights: eight 30-token prompts cost what four do alone (measured on the 2-core CPU). A prompt whose attention is
+recorded prefills alone.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 
 import torch
 
 from kvviz.runtime.batch import DecodeGroup, step_groups
+from kvviz.runtime.prefix import PrefixPrefill, prefill_together, prefix_cache_for
 from kvviz.runtime.turns import FairLock
 
 RUNS_TOGETHER = 8  # runs a server admits into one running batch at once; each holds its caches while it decodes
@@ -80,23 +87,100 @@ class SharedDecoder:
             self._groups = [group for group in self._groups if not group.finished]
 
 
+PREFILL_TOKENS = 512  # most prompt positions (padding included) one shared prefill feeds: on the CPU a forward of
+# 30 tokens costs 87 ms and one of eight 30-token prompts 384 ms, but past a few hundred tokens a forward is bound by
+# its arithmetic and batching gains nothing (a 512-token forward 811 ms, measured on the 2-core CPU)
+
+
+@dataclass
+class PrefillJob:
+    """One run's prompt waiting for a shared prefill, and what became of it."""
+
+    token_ids: list[int]
+    reuse_prefix: bool
+    outcome: PrefixPrefill | BaseException | None = None
+
+
+class SharedPrefill:
+    """The prompts of runs that arrive while the model is busy, prefilled together in one forward.
+
+    A run queues its prompt and waits its turn for the model's lock; whoever gets the lock first prefills every
+    prompt queued by then (up to :data:`PREFILL_TOKENS` positions, the longest prompts left for the next turn), and
+    the others find theirs done. Only prompts nobody listens to are shared (no capture for the page's statistics
+    or a method's selection): a listener belongs to its own thread's forward."""
+
+    def __init__(self, loaded):
+        self._loaded = weakref.ref(loaded)  # the registry keeps this as long as the model lives, not longer
+        self._pending: list[PrefillJob] = []
+        self._pending_lock = threading.Lock()
+        self.forwards = 0  # prefill forwards run so far, and how many of them fed more than one prompt
+        self.shared_forwards = 0
+
+    def prefill(self, token_ids: list[int], reuse_prefix: bool) -> PrefixPrefill:
+        """``token_ids`` prefilled (with other runs' prompts when they are waiting too); raises its row's error."""
+        job = PrefillJob(list(token_ids), reuse_prefix)
+        loaded = self._loaded()
+        with self._pending_lock:
+            self._pending.append(job)
+        with loaded.lock:
+            if job.outcome is None:
+                self._run(loaded, self._take(job))
+        if isinstance(job.outcome, BaseException):
+            raise job.outcome
+        return job.outcome
+
+    def _take(self, job: PrefillJob) -> list[PrefillJob]:
+        """``job`` and the waiting prompts that fit beside it, shortest first; the others wait for their turn."""
+        with self._pending_lock:
+            taken = [job]
+            for other in sorted(self._pending, key=lambda o: len(o.token_ids)):
+                longest = max(len(o.token_ids) for o in [*taken, other])
+                if other is not job and other.reuse_prefix == job.reuse_prefix and (
+                        longest * (len(taken) + 1) <= PREFILL_TOKENS):
+                    taken.append(other)
+            self._pending = [other for other in self._pending if other not in taken]
+            return taken
+
+    def _run(self, loaded, jobs: list[PrefillJob]) -> None:
+        prefix = prefix_cache_for(loaded) if jobs[0].reuse_prefix else None
+        try:
+            outcomes = prefill_together(loaded, [job.token_ids for job in jobs], prefix)
+        except Exception as error:  # noqa: BLE001 - the forward failed as a whole (out of memory): each run says so
+            outcomes = [error] * len(jobs)
+        for job, outcome in zip(jobs, outcomes, strict=True):
+            job.outcome = outcome
+        self.forwards += 1
+        self.shared_forwards += len(jobs) > 1
+
+
 _decoders: dict[int, SharedDecoder] = {}
-_decoders_lock = threading.Lock()
+_prefills: dict[int, SharedPrefill] = {}
+_registry_lock = threading.Lock()
+
+
+def _per_model(registry: dict, loaded, make):
+    """``registry``'s object for ``loaded``: made on first use, dropped with the model."""
+    with _registry_lock:
+        made = registry.get(id(loaded))
+        if made is None:
+            made = registry[id(loaded)] = make()
+            weakref.finalize(loaded, registry.pop, id(loaded), None)
+        return made
 
 
 def shared_decoder(loaded) -> SharedDecoder:
     """The running batch of ``loaded`` (a :class:`~kvviz.runtime.models.LoadedModel`): one per model, device and
-    dtype, as each loaded model is one of those; created on first use, dropped with the model."""
-    with _decoders_lock:
-        decoder = _decoders.get(id(loaded))
-        if decoder is None:
-            decoder = _decoders[id(loaded)] = SharedDecoder(loaded.model, loaded.device, loaded.lock)
-            weakref.finalize(loaded, _decoders.pop, id(loaded), None)
-        return decoder
+    dtype, as each loaded model is one of those."""
+    return _per_model(_decoders, loaded, lambda: SharedDecoder(loaded.model, loaded.device, loaded.lock))
+
+
+def shared_prefill(loaded) -> SharedPrefill:
+    """The prompts of ``loaded`` prefilled together (one per model, as :func:`shared_decoder`)."""
+    return _per_model(_prefills, loaded, lambda: SharedPrefill(loaded))
 
 
 def shared_forwards() -> int:
     """Forwards that fed more than one run, over every model's running batch in this process (the load test reads
     it to see that a class's runs really decoded together)."""
-    with _decoders_lock:
+    with _registry_lock:
         return sum(decoder.shared_forwards for decoder in _decoders.values())
