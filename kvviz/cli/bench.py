@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from kvviz.cli import options
 from kvviz.cli.options import UsageError
@@ -23,6 +24,9 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", metavar="DIR",
                         help="with --random-model: a tokenizer folder (python -m kvviz prepare --tokenizer-out DIR), "
                              "so the lessons and needle sections run on random weights too")
+    parser.add_argument("--class-students", type=int, metavar="N",
+                        help="students served the issue's comparison in the classroom section (default 30; about "
+                             "15 minutes both ways on a 2-core CPU)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a busy machine)")
     parser.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-' for stdout)")
     return parser
@@ -39,6 +43,10 @@ def run(args: argparse.Namespace) -> int:
     sizes = bench.SIZES[preset]
     if args.lengths:
         sizes = bench.with_lengths(sizes, tuple(options.numbers(args.lengths, int, "--lengths")))
+    if args.class_students is not None:
+        if args.class_students < 1:
+            raise UsageError("--class-students must be at least 1")
+        sizes = replace(sizes, class_students=args.class_students)
     with bench.threads(args.threads):
         if args.tokenizer and not args.random_model:
             raise UsageError("--tokenizer goes with --random-model (a real model brings its own)")

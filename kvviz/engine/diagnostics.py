@@ -99,11 +99,15 @@ class QuantizationReport:
 def quantization_report(kv: Sequence[LayerKV], stacks: Sequence[MethodStack]) -> QuantizationReport | None:
     """Diagnose every stack that quantizes, on the prefill K/V already computed (no second forward); None when
     none does. A quantizer that cannot run here (a missing backend) is left out; its replay reports why."""
-    errors = {}
+    errors, by_quantizer = {}, {}  # stacks quantizing the same way (kivi:bits=2 alone and after SnapKV) share one
     for stack in stacks:
         if stack.quantization is not None:
-            try:
-                errors[stack.label] = reconstruction_error(kv, stack)
-            except (ImportError, RuntimeError, SpecError):
-                continue
+            quantizer = stack.quantization.spec()
+            if quantizer not in by_quantizer:
+                try:
+                    by_quantizer[quantizer] = reconstruction_error(kv, stack)
+                except (ImportError, RuntimeError, SpecError):
+                    by_quantizer[quantizer] = None
+            if by_quantizer[quantizer] is not None:
+                errors[stack.label] = by_quantizer[quantizer]
     return QuantizationReport(errors, key_channel_stats(kv)) if errors else None

@@ -237,11 +237,12 @@ def compare(
         session.prefill_shared()
     with loaded.lock:  # released before a batched decode: the running batch takes it step by step
         prefill = session.prefill(capture)
-        quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
         if batched:
             rows = _fork_rows(session, stacks, progress)
         else:
             results = _compare_sequential(session, stacks, max_new_tokens, sampling, progress)
+    # the dense prefill is read only from here on: the diagnosis needs no model, so others may use it meanwhile
+    quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
     if batched:
         results = _decode_rows(session, rows, max_new_tokens, sampling, progress)
     return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,

@@ -181,6 +181,20 @@ def test_comparison_reports_quantization_error_from_its_own_prefill(tiny_model):
     assert compare(tiny_model, ids, ["full", "window:window=16"], 2).quantization is None
 
 
+def test_stacks_quantizing_the_same_way_share_one_diagnosis(tiny_model, monkeypatch):
+    """kivi:bits=4 alone and after SnapKV store the prompt the same way: the report quantizes it once for both."""
+    from kvviz.engine import diagnostics
+    from kvviz.engine.session import compare
+
+    diagnosed = []
+    original = diagnostics.reconstruction_error
+    monkeypatch.setattr(diagnostics, "reconstruction_error",
+                        lambda kv, stack: diagnosed.append(stack.label) or original(kv, stack))
+    report = compare(tiny_model, list(range(5, 85)), ["kivi:bits=4", "snapkv:budget=48+kivi:bits=4"], 2).quantization
+    assert diagnosed == ["kivi:bits=4"]
+    assert report.errors["snapkv:budget=48+kivi:bits=4"] == report.errors["kivi:bits=4"]
+
+
 def test_decoding_writes_each_token_in_place_without_copying_the_cache():
     keys, values = _kv(70)
     storage = _storage("kivi:bits=4,group=8,residual=4")
