@@ -82,6 +82,17 @@ def test_gpu_check_dry_run_runs_the_script_on_the_cpu(tmp_path, real_model):
     assert figures["class_issue_all_done"] == pytest.approx(30 * figures["issue_comparison"], rel=1e-3)
 
 
+def test_cli_bench_class_students_sizes_the_classrooms_heavy_half(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--random-model", "tiny", "--device", "cpu", "--json", str(out),
+                 "--sections", "classroom", "--class-students", "2"]) == 0
+    figures = {f["name"]: f for s in json.loads(out.read_text())["sections"] for f in s["figures"]}
+    assert figures["class_issue_one_at_a_time_p50"]["note"].startswith("2 students' comparisons")
+    assert "prefill forwards fed more than one run" in figures["class_mix_together_all_done"]["note"]
+    assert main(["bench", "--quick", "--class-students", "0"]) == 2
+    assert "--class-students must be at least 1" in capsys.readouterr().err
+
+
 def test_cli_bench_refuses_unknown_sections(capsys):
     assert main(["bench", "--quick", "--sections", "nope"]) == 2
     assert "unknown section" in capsys.readouterr().err

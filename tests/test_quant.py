@@ -7,6 +7,7 @@ from kvviz.cache.quant import (
     dequantize_per_channel,
     dequantize_per_token,
     error_bound,
+    minmax_params,
     pack,
     packed_width,
     quantize_per_channel,
@@ -49,6 +50,18 @@ def test_per_token_error_stays_within_half_a_step_with_a_short_last_group(bits):
     restored = dequantize_per_token(q, bits, 20, 8, x.dtype)
     bound = error_bound(q.scale, q.zero, bits)[..., torch.arange(20) // 8]
     assert bool(((restored - x).abs() <= bound).all())
+
+
+@pytest.mark.parametrize(("dim", "group"), [(64, 32), (64, 128), (20, 8), (96, 64)])
+def test_per_token_groups_take_each_groups_own_minimum_and_maximum(dim, group):
+    torch.manual_seed(2)
+    x = torch.randn(1, 3, 5, dim)
+    q = quantize_per_token(x, 2, group)
+    width = min(group, dim)
+    for number, start in enumerate(range(0, dim, width)):
+        lo, hi = x[..., start:start + width].amin(-1), x[..., start:start + width].amax(-1)
+        scale, zero = minmax_params(lo, hi, 2)
+        assert torch.equal(q.scale[..., number], scale) and torch.equal(q.zero[..., number], zero)
 
 
 def test_constant_groups_decode_exactly():
