@@ -26,7 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                              "so the lessons and needle sections run on random weights too")
     parser.add_argument("--class-students", type=int, metavar="N",
                         help="students served the issue's comparison in the classroom section (default 30; about "
-                             "15 minutes both ways on a 2-core CPU)")
+                             "20 minutes both ways on a 2-core CPU)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a busy machine)")
     parser.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-' for stdout)")
     return parser
