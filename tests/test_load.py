@@ -16,7 +16,7 @@ from streamlit.testing.v1 import AppTest
 from kvviz.engine.results import MethodResult
 from kvviz.engine.session import compare, encode_prompt
 from kvviz.planning.classroom import ClassRun, percentile, project_class
-from kvviz.runtime.together import shared_forwards
+from kvviz.runtime.together import shared_forwards, shared_prefills
 from kvviz_app.runqueue import RunQueue
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_a_class_of_30_decoding_together_all_finish_fairly_with_single_user_resu
     from kvviz_app.queue import run_queue
 
     queue = run_queue()
-    already, shared_before = len(queue.history), shared_forwards()
+    already, shared_before, prefills_before = len(queue.history), shared_forwards(), shared_prefills()
     # pages open first (AppTest set-up is not thread-safe), then every student presses Run at once
     apps = {prompt: _compare_page(prompt) for prompt in PROMPTS}
     apps |= {f"lesson {i}": _lesson_page() for i in range(LESSON_STUDENTS)}
@@ -106,6 +106,7 @@ def test_a_class_of_30_decoding_together_all_finish_fairly_with_single_user_resu
     runs = list(queue.history)[already:]
     assert all(t.status == "done" for t in runs)
     assert shared_forwards() > shared_before, "students' comparisons decoded in merged batches"
+    assert shared_prefills() > prefills_before, "students' prompts prefilled in shared forwards"
     # every comparison ran once; the five identical lesson runs ran at most once (the others waited for its result,
     # and an earlier test may have stored it already)
     assert len({t.user for t in runs}) == len(runs) and len(runs) - len(PROMPTS) in (0, 1)

@@ -184,3 +184,10 @@ def shared_forwards() -> int:
     it to see that a class's runs really decoded together)."""
     with _registry_lock:
         return sum(decoder.shared_forwards for decoder in _decoders.values())
+
+
+def shared_prefills() -> int:
+    """Prefill forwards that fed more than one run's prompt, over every model in this process (the load test reads
+    it to see that a class's prompts really went through one forward)."""
+    with _registry_lock:
+        return sum(prefills.shared_forwards for prefills in _prefills.values())
