@@ -32,8 +32,8 @@ from kvviz.runtime.prefix import PrefixPrefill, prefill_together, prefix_cache_f
 from kvviz.runtime.turns import FairLock
 
 RUNS_TOGETHER = 8  # runs a server admits into one running batch at once; each holds its caches while it decodes
-# (four 2K-token comparisons of six configurations on SmolLM2 held 3 GB more together than one at a time, measured
-# on the CPU); the app's queue and the bench's classroom use it
+# (eight 2K-token comparisons of six configurations on SmolLM2 decoding together held 17.7 GB resident, measured on
+# the CPU); the app's queue and the bench's classroom use it
 
 
 class SharedDecoder:
