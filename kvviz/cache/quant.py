@@ -119,8 +119,9 @@ def quantize_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
     dim = x.shape[-1]
     groups = channel_groups(dim, group).to(x.device)
     count = int(groups[-1]) + 1
-    if dim % min(group, dim) == 0:  # whole groups: a reshape (scatter_reduce costs several times more on a CPU)
-        grouped = x.float().unflatten(-1, (count, min(group, dim)))
+    width = min(group, dim)
+    if dim % width == 0:  # whole groups: a reshape (scatter_reduce costs several times more on a CPU)
+        grouped = x.float().unflatten(-1, (count, width))
         lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
     else:
         index = groups.expand(*x.shape)

@@ -133,8 +133,8 @@ class SharedPrefill:
         """``job`` and the waiting prompts that fit beside it, shortest first; the others wait for their turn."""
         with self._pending_lock:
             taken = [job]
-            for other in sorted(self._pending, key=lambda o: len(o.token_ids)):
-                longest = max(len(o.token_ids) for o in [*taken, other])
+            for other in sorted(self._pending, key=lambda o: len(o.token_ids)):  # the longest so far: job or other
+                longest = max(len(job.token_ids), len(other.token_ids))
                 if other is not job and other.reuse_prefix == job.reuse_prefix and (
                         longest * (len(taken) + 1) <= PREFILL_TOKENS):
                     taken.append(other)

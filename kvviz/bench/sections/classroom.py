@@ -78,7 +78,8 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
             shared_before, prefills_before = decoder.shared_forwards, prefills.shared_forwards
             log(f"  {what}: {len(requests)} runs, {together} at a time")
             done[together].append(serve_class(loaded, requests, together))
-            shared[together] = (decoder.shared_forwards - shared_before, prefills.shared_forwards - prefills_before)
+            shared[together] = (shared[together][0] + decoder.shared_forwards - shared_before,
+                                shared[together][1] + prefills.shared_forwards - prefills_before)
     all_done = {together: statistics.median(max(times) for times in served) for together, served in done.items()}
     for together, served in done.items():
         label = "one_at_a_time" if together == 1 else "together"
@@ -88,7 +89,7 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
         section.add(f"{name}_{label}_p95", percentile(waits, 0.95), "s")
         spread = " / ".join(f"{max(times):.1f}" for times in served)
         section.add(f"{name}_{label}_all_done", all_done[together], "s",
-                    note=f"median of {len(served)} ({spread} s); {shared[together][0]} decode and "
+                    note=f"median of {len(served)} ({spread} s); over them, {shared[together][0]} decode and "
                          f"{shared[together][1]} prefill forwards fed more than one run")
     ratio = all_done[RUNS_TOGETHER] / all_done[1]
     section.add(f"{name}_together_vs_one_at_a_time", ratio, "x", "<= 0.6" if loaded.device == "cpu" else "",
