@@ -89,6 +89,9 @@ def test_cli_bench_class_students_sizes_the_classrooms_heavy_half(tmp_path, caps
     figures = {f["name"]: f for s in json.loads(out.read_text())["sections"] for f in s["figures"]}
     assert figures["class_issue_one_at_a_time_p50"]["note"].startswith("2 students' comparisons")
     assert "prefill forwards fed more than one run" in figures["class_mix_together_all_done"]["note"]
+    assert 0 < figures["class_issue_decode_share"]["value"] < 1, "decode steps are part of a run, not all of it"
+    assert figures["class_issue_decode_together_vs_apart"]["value"] > 0
+    assert "all done would be" in figures["class_issue_decode_together_vs_apart"]["note"]
     assert main(["bench", "--quick", "--class-students", "0"]) == 2
     assert "--class-students must be at least 1" in capsys.readouterr().err
 

@@ -42,11 +42,12 @@ def together(loaded, runs: list[dict]) -> list:
 
 def test_two_prompts_of_different_lengths_in_one_batch_give_each_its_results_alone(tiny_model, story_ids):
     decoder = shared_decoder(tiny_model)
-    shared_before = decoder.shared_forwards
+    shared_before, forwards_before, seconds_before = decoder.shared_forwards, decoder.forwards, decoder.seconds
     runs = [dict(prompt_ids=story_ids[:60], specs=FIRST_SPECS, max_new_tokens=10),
             dict(prompt_ids=story_ids[5:45], specs=SECOND_SPECS, max_new_tokens=4)]  # joins late, leaves early
     first, second = together(tiny_model, runs)
     assert decoder.shared_forwards > shared_before, "the two runs shared forwards"
+    assert decoder.forwards - forwards_before >= 10 and decoder.seconds > seconds_before, "steps counted and timed"
     for outcome, run in zip((first, second), runs, strict=True):
         alone = compare(tiny_model, **run, batched=False)
         assert_same_rows(outcome, alone)

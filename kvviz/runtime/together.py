@@ -22,6 +22,7 @@ recorded prefills alone.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class SharedDecoder:
         self._stepping = False
         self.forwards = 0  # forwards run so far, and how many of them fed more than one run
         self.shared_forwards = 0
+        self.seconds = 0.0  # wall seconds spent in those steps (the bench splits a class's time with it)
 
     def decode(self, group: DecodeGroup) -> None:
         """Decode ``group`` in the running batch; return when it is finished (its ``error`` says whether it failed).
@@ -54,7 +56,7 @@ class SharedDecoder:
         alone: the batch's turn could not take the lock from it."""
         if self.lock.held():
             while not group.finished:
-                step_groups(self.model, [group], self.device)
+                self._timed_step([group])
             return
         with self._changed:
             self._groups.append(group)
@@ -77,14 +79,22 @@ class SharedDecoder:
             with self._changed:
                 groups = list(self._groups)
             try:
-                step_groups(self.model, groups, self.device)
+                self._timed_step(groups)
             except Exception as error:  # noqa: BLE001 - the forward itself failed (out of memory): its runs fail
                 for group in groups:
                     group.error = group.error or error
-        self.forwards += 1
         self.shared_forwards += len(groups) > 1
         with self._changed:
             self._groups = [group for group in self._groups if not group.finished]
+
+    def _timed_step(self, groups: list[DecodeGroup]) -> None:
+        """One decode step of ``groups``, counted and timed (a failing forward included)."""
+        started = time.perf_counter()
+        try:
+            step_groups(self.model, groups, self.device)
+        finally:
+            self.forwards += 1
+            self.seconds += time.perf_counter() - started
 
 
 PREFILL_TOKENS = 512  # most prompt positions (padding included) one shared prefill feeds: on the CPU a forward of

@@ -69,17 +69,22 @@ def serve_class(loaded: LoadedModel, requests: list[RunRequest], together: int) 
 def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list[RunRequest], what: str,
                 log, repeats: int = 1) -> None:
     """The class served one run at a time and with runs decoding together, in turns (the same requests, results
-    already stored nowhere: every request computes), ``repeats`` times each; how much sooner everybody is done."""
+    already stored nowhere: every request computes), ``repeats`` times each; how much sooner everybody is done, and
+    where the time went: only the decode steps can be shared between runs, so their share of the time one at a time
+    and how much shorter they got together say what the ratio can be on this device."""
     decoder, prefills = shared_decoder(loaded), shared_prefill(loaded)
     done: dict[int, list[list[float]]] = {1: [], RUNS_TOGETHER: []}
     shared = dict.fromkeys(done, (0, 0))
+    decoding = dict.fromkeys(done, 0.0)  # seconds in decode steps, summed over the repeats
     for _ in range(max(1, repeats)):  # interleaved, so a slow spell of the machine hits both ways
         for together in done:
-            shared_before, prefills_before = decoder.shared_forwards, prefills.shared_forwards
+            shared_before, prefills_before, seconds_before = (decoder.shared_forwards, prefills.shared_forwards,
+                                                              decoder.seconds)
             log(f"  {what}: {len(requests)} runs, {together} at a time")
             done[together].append(serve_class(loaded, requests, together))
             shared[together] = (shared[together][0] + decoder.shared_forwards - shared_before,
                                 shared[together][1] + prefills.shared_forwards - prefills_before)
+            decoding[together] += decoder.seconds - seconds_before
     all_done = {together: statistics.median(max(times) for times in served) for together, served in done.items()}
     for together, served in done.items():
         label = "one_at_a_time" if together == 1 else "together"
@@ -94,8 +99,17 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
     ratio = all_done[RUNS_TOGETHER] / all_done[1]
     section.add(f"{name}_together_vs_one_at_a_time", ratio, "x", "<= 0.6" if loaded.device == "cpu" else "",
                 note=f"all done, {RUNS_TOGETHER} runs decoding together against one at a time")
+    served_seconds = sum(max(times) for times in done[1])
+    decode_share = decoding[1] / served_seconds
+    decode_ratio = decoding[RUNS_TOGETHER] / max(1e-9, decoding[1])
+    section.add(f"{name}_decode_share", decode_share, "",
+                note="of the time one at a time, the share in decode steps (the rest: prefills, forks, diagnosis, "
+                     "scoring, each paid per run either way)")
+    section.add(f"{name}_decode_together_vs_apart", decode_ratio, "x",
+                note=f"decode steps' seconds with runs decoding together over one at a time; with the rest as it "
+                     f"was, all done would be {1 - decode_share * (1 - decode_ratio):.2f}x")
     log(f"  {what}: all done in {all_done[RUNS_TOGETHER]:.1f} s together, {all_done[1]:.1f} s one at a time "
-        f"({ratio:.2f}x)")
+        f"({ratio:.2f}x); decode steps {decode_share:.0%} of the time alone, {decode_ratio:.2f}x together")
 
 
 def _add_projection(section: Section, name: str, wait: ClassWait, what: str) -> None:
