@@ -70,8 +70,8 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
                 log, repeats: int = 1) -> None:
     """The class served one run at a time and with runs decoding together, in turns (the same requests, results
     already stored nowhere: every request computes), ``repeats`` times each; how much sooner everybody is done, and
-    where the time went: only the decode steps can be shared between runs, so their share of the time one at a time
-    and how much shorter they got together say what the ratio can be on this device."""
+    where the time went: decode steps are what runs share (and prefills of prompts nobody records), so their share
+    of the time one at a time and how much shorter they got together say what the ratio can be on this device."""
     decoder, prefills = shared_decoder(loaded), shared_prefill(loaded)
     done: dict[int, list[list[float]]] = {1: [], RUNS_TOGETHER: []}
     shared = dict.fromkeys(done, (0, 0))
@@ -103,8 +103,8 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
     decode_share = decoding[1] / served_seconds
     decode_ratio = decoding[RUNS_TOGETHER] / max(1e-9, decoding[1])
     section.add(f"{name}_decode_share", decode_share, "",
-                note="of the time one at a time, the share in decode steps (the rest: prefills, forks, diagnosis, "
-                     "scoring, each paid per run either way)")
+                note="of the time one at a time, the share in decode steps (the rest: prefills, forks, diagnosis and "
+                     "scoring, paid per run, except prefills of prompts nobody records, which share forwards)")
     section.add(f"{name}_decode_together_vs_apart", decode_ratio, "x",
                 note=f"decode steps' seconds with runs decoding together over one at a time; with the rest as it "
                      f"was, all done would be {1 - decode_share * (1 - decode_ratio):.2f}x")
