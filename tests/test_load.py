@@ -63,6 +63,27 @@ def one_script_cache(monkeypatch):
 
 
 @pytest.fixture
+def runtime_kept_between_runs(monkeypatch):
+    """AppTest installs a mock Runtime when a run starts and removes it when the run ends. With many sessions running
+    at once, the first to end would pull it from under the others: a script starting then fails inside Streamlit
+    ("Runtime hasn't been created!"). A server has one Runtime for all sessions, so keep the last one installed."""
+    from streamlit.runtime import Runtime
+
+    kept: list[Runtime] = []
+
+    def instance(cls) -> Runtime:
+        if cls._instance is not None:
+            kept[:] = [cls._instance]
+            return cls._instance
+        if kept:
+            return kept[0]
+        raise RuntimeError("Runtime hasn't been created!")
+
+    monkeypatch.setattr(Runtime, "instance", classmethod(instance))
+    monkeypatch.setattr(Runtime, "exists", classmethod(lambda cls: cls._instance is not None or bool(kept)))
+
+
+@pytest.fixture
 def one_id_per_session(monkeypatch):
     """AppTest gives every session the id 'test session id'; a server gives each browser tab its own."""
     from streamlit.runtime.scriptrunner import get_script_run_ctx
@@ -74,7 +95,8 @@ def one_id_per_session(monkeypatch):
 
 @pytest.mark.slow
 def test_a_class_of_30_decoding_together_all_finish_fairly_with_single_user_results(real_model, one_script_cache,
-                                                                                    one_id_per_session):
+                                                                                    one_id_per_session,
+                                                                                    runtime_kept_between_runs):
     from kvviz_app.queue import run_queue
 
     queue = run_queue()
