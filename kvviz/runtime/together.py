@@ -189,15 +189,18 @@ def shared_prefill(loaded) -> SharedPrefill:
     return _per_model(_prefills, loaded, lambda: SharedPrefill(loaded))
 
 
+def _shared_over_models(registry: dict) -> int:
+    with _registry_lock:
+        return sum(made.shared_forwards for made in registry.values())
+
+
 def shared_forwards() -> int:
     """Forwards that fed more than one run, over every model's running batch in this process (the load test reads
     it to see that a class's runs really decoded together)."""
-    with _registry_lock:
-        return sum(decoder.shared_forwards for decoder in _decoders.values())
+    return _shared_over_models(_decoders)
 
 
 def shared_prefills() -> int:
     """Prefill forwards that fed more than one run's prompt, over every model in this process (the load test reads
     it to see that a class's prompts really went through one forward)."""
-    with _registry_lock:
-        return sum(prefills.shared_forwards for prefills in _prefills.values())
+    return _shared_over_models(_prefills)

@@ -73,18 +73,20 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
     where the time went: decode steps are what runs share (and prefills of prompts nobody records), so their share
     of the time one at a time and how much shorter they got together say what the ratio can be on this device."""
     decoder, prefills = shared_decoder(loaded), shared_prefill(loaded)
+
+    def counters() -> tuple[int, int, float]:
+        """Decode forwards and prefill forwards that fed more than one run, and seconds in decode steps, so far."""
+        return decoder.shared_forwards, prefills.shared_forwards, decoder.seconds
+
     done: dict[int, list[list[float]]] = {1: [], RUNS_TOGETHER: []}
-    shared = dict.fromkeys(done, (0, 0))
-    decoding = dict.fromkeys(done, 0.0)  # seconds in decode steps, summed over the repeats
+    totals = {together: (0, 0, 0.0) for together in done}  # counters() gained while served, over the repeats
     for _ in range(max(1, repeats)):  # interleaved, so a slow spell of the machine hits both ways
         for together in done:
-            shared_before, prefills_before, seconds_before = (decoder.shared_forwards, prefills.shared_forwards,
-                                                              decoder.seconds)
+            before = counters()
             log(f"  {what}: {len(requests)} runs, {together} at a time")
             done[together].append(serve_class(loaded, requests, together))
-            shared[together] = (shared[together][0] + decoder.shared_forwards - shared_before,
-                                shared[together][1] + prefills.shared_forwards - prefills_before)
-            decoding[together] += decoder.seconds - seconds_before
+            totals[together] = tuple(total + now - then
+                                     for total, now, then in zip(totals[together], counters(), before, strict=True))
     all_done = {together: statistics.median(max(times) for times in served) for together, served in done.items()}
     for together, served in done.items():
         label = "one_at_a_time" if together == 1 else "together"
@@ -93,15 +95,17 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
                     note=f"{what}, {together} run(s) admitted at a time: seconds until a student's result")
         section.add(f"{name}_{label}_p95", percentile(waits, 0.95), "s")
         spread = " / ".join(f"{max(times):.1f}" for times in served)
+        merged_steps, merged_prefills, _ = totals[together]
         section.add(f"{name}_{label}_all_done", all_done[together], "s",
-                    note=f"median of {len(served)} ({spread} s); over them, {shared[together][0]} decode and "
-                         f"{shared[together][1]} prefill forwards fed more than one run")
+                    note=f"median of {len(served)} ({spread} s); over them, {merged_steps} decode and "
+                         f"{merged_prefills} prefill forwards fed more than one run")
     ratio = all_done[RUNS_TOGETHER] / all_done[1]
     section.add(f"{name}_together_vs_one_at_a_time", ratio, "x", "<= 0.6" if loaded.device == "cpu" else "",
                 note=f"all done, {RUNS_TOGETHER} runs decoding together against one at a time")
     served_seconds = sum(max(times) for times in done[1])
-    decode_share = decoding[1] / served_seconds
-    decode_ratio = decoding[RUNS_TOGETHER] / max(1e-9, decoding[1])
+    (*_, decoding_alone), (*_, decoding_together) = totals[1], totals[RUNS_TOGETHER]
+    decode_share = decoding_alone / served_seconds
+    decode_ratio = decoding_together / max(1e-9, decoding_alone)
     section.add(f"{name}_decode_share", decode_share, "",
                 note="of the time one at a time, the share in decode steps (the rest: prefills, forks, diagnosis and "
                      "scoring, paid per run, except prefills of prompts nobody records, which share forwards)")
