@@ -4,9 +4,12 @@ runs joining and leaving mid-batch, each run's result equal to the same run alon
 import threading
 import time
 
-from kvviz.engine.session import compare
+from kvviz.engine.session import PromptSession, compare
+from kvviz.methods import parse_spec
 from kvviz.methods.window import Window
 from kvviz.runtime import prefix
+from kvviz.runtime.batch import DecodeGroup, Row
+from kvviz.runtime.replay import Sampling
 from kvviz.runtime.together import shared_decoder, shared_prefill
 from tests.test_batched import assert_same_rows
 
@@ -52,6 +55,25 @@ def test_two_prompts_of_different_lengths_in_one_batch_give_each_its_results_alo
         alone = compare(tiny_model, **run, batched=False)
         assert_same_rows(outcome, alone)
         assert len(outcome.by_method("full").token_ids) == run["max_new_tokens"]
+
+
+def test_a_group_reads_unfinished_to_other_threads_while_its_step_still_chooses_tokens(tiny_model, story_ids):
+    """The running batch's other threads poll ``finished`` while one thread steps every group: a run that returned
+    as soon as its first step began would report the text of one token while its rows decode on (seen once in CI)."""
+    seen_while_choosing: list[bool] = []
+
+    class Watched(Sampling):
+        def choose(self, logits, generator):
+            seen_while_choosing.append(group.finished)
+            return super().choose(logits, generator)
+
+    session = PromptSession(tiny_model, story_ids[:30])
+    first_logits = session.prefill().last_logits
+    rows = [Row(parse_spec(spec), session.fork(parse_spec(spec)), first_logits) for spec in ("full", "window:window=8")]
+    group = DecodeGroup(rows, 4, set(), Watched())
+    shared_decoder(tiny_model).decode(group)
+    assert len(seen_while_choosing) == 4 * len(rows) and not any(seen_while_choosing)
+    assert group.finished and [len(row.trace.token_ids) for row in rows] == [4, 4]
 
 
 def test_a_run_cancelled_mid_batch_leaves_and_the_other_finishes_as_alone(tiny_model, story_ids):

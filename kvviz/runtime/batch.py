@@ -229,10 +229,12 @@ class DecodeGroup:
         self.feeding: list[Row] = []
         self.step = 0
         self.error: BaseException | None = None
+        self._rows_done = False  # set last, once a step leaves nothing to feed: another run's thread reads
+        # ``finished`` while this group's step is half done, and must not see a row's tokens still being chosen
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (self.step > 0 and not self.feeding)
+        return self.error is not None or self._rows_done
 
     def choose(self) -> list[Row]:
         """Choose every active row's next token; return the rows to feed it (none: the group is done)."""
@@ -258,6 +260,7 @@ class DecodeGroup:
         if self.progress is not None:
             self.progress(min(1.0, step / self.max_new_tokens),
                           f"token {step}/{self.max_new_tokens}, {len(self.feeding)} rows together")
+        self._rows_done = not self.feeding
         return self.feeding
 
     def fed(self) -> None:
@@ -266,7 +269,7 @@ class DecodeGroup:
         if self.reference is not None and self.reference.error is not None:
             self.active = [row for row in self.active if row.follows is None]
         if not self.active:
-            self.feeding = []
+            self.feeding, self._rows_done = [], True
 
 
 def _twin(row: Row, reference: Row) -> Row:
