@@ -160,9 +160,11 @@ class DenseStorage(KVStorage):
 
     Appends wait in ``pending`` until something reads the entries, so a positional eviction that follows an append
     (a sliding window dropping its oldest token) builds the kept cache in one copy, not a concatenation plus a gather.
-    Once the storage has copied its entries it holds them at the start of buffers with room for more, and appends
-    write there in place: a ``full`` cache decoding does not copy its whole length every step. ``keys`` and
-    ``values`` are views of the held entries, so ``nbytes`` counts those, not the room.
+    Once the storage has copied its entries it holds them in buffers with room for more, and appends write there in
+    place: a ``full`` cache decoding does not copy its whole length every step. A window sliding over those buffers
+    does not copy them either: dropping the oldest entries after the sinks moves only the sinks forward, and the
+    held entries start further in (see :meth:`_slide`). ``keys`` and ``values`` are views of the held entries, so
+    ``nbytes`` counts those, not the room.
     """
 
     per_entry_bytes = True
@@ -172,28 +174,62 @@ class DenseStorage(KVStorage):
         self.values: torch.Tensor | None = None
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.owned = False  # True once ``keys`` is a tensor this storage made (safe to write in place)
-        self._room: tuple[torch.Tensor, torch.Tensor] | None = None  # buffers ``keys``/``values`` are the start of
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None  # buffers ``keys``/``values`` are a slice of
+        self._start = 0  # where in ``_room`` the held entries start
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         if self.keys is None:
             self.keys, self.values = keys, values
             return
         length, new = self.keys.shape[2], keys.shape[2]
-        if self._room is not None and not self.pending and length + new <= self._room[0].shape[2]:
+        end = self._start + length
+        if self._room is not None and not self.pending and end + new <= self._room[0].shape[2]:
             room_keys, room_values = self._room  # decoding into a buffer with room: no copy of what is held
-            room_keys[:, :, length:length + new].copy_(keys)
-            room_values[:, :, length:length + new].copy_(values)
-            self.keys, self.values = room_keys[:, :, :length + new], room_values[:, :, :length + new]
+            room_keys[:, :, end:end + new].copy_(keys)
+            room_values[:, :, end:end + new].copy_(values)
+            self.keys, self.values = room_keys[:, :, self._start:end + new], room_values[:, :, self._start:end + new]
         else:
             self.pending.append((keys, values))
 
     def keep(self, index: torch.Tensor) -> None:
         keys, values = self.materialize()
         self.keys, self.values = gather_tokens(keys, index), gather_tokens(values, index)
-        self.owned, self._room = True, None
+        # copied at once into buffers with room, while the entries are still in the CPU's caches: the next append
+        # then writes in place (a method evicting every step, H2O, no longer copies its cache twice a step)
+        self._keep_spans(((0, index.shape[-1]),))
 
     def keep_ranges(self, kept: KeptRanges) -> None:
-        self._keep_spans(kept.spans)
+        if not self._slide(kept.spans):
+            self._keep_spans(kept.spans)
+
+    def _slide(self, spans: tuple[tuple[int, int], ...]) -> bool:
+        """Keep ``spans`` in place when they drop only entries after the first few (a window, sinks + window) and the
+        buffers have room for what is pending: the sinks move forward over the dropped entries, the held entries
+        start after what they left, and the pending ones are written after the held. False when that cannot be
+        done (the caller copies)."""
+        total = len(self)
+        if self._room is None or len(spans) > 2 or spans[-1][1] != total:
+            return False
+        sinks = spans[0][1] if len(spans) == 2 and spans[0][0] == 0 else 0
+        if len(spans) == 2 and sinks == 0:
+            return False
+        dropped = spans[-1][0] - sinks
+        held = self.keys.shape[2]
+        room_keys, room_values = self._room
+        if dropped <= 0 or sinks + dropped > held or self._start + total > room_keys.shape[2]:
+            return False
+        start, end = self._start, self._start + held
+        for room, pending in ((room_keys, [k for k, _ in self.pending]), (room_values, [v for _, v in self.pending])):
+            if sinks:  # cloned first: the sinks' old and new places overlap when fewer entries are dropped
+                room[:, :, start + dropped:start + dropped + sinks].copy_(room[:, :, start:start + sinks].clone())
+            cursor = end
+            for piece in pending:
+                room[:, :, cursor:cursor + piece.shape[2]].copy_(piece)
+                cursor += piece.shape[2]
+        self._start, stop = start + dropped, start + total
+        self.keys, self.values = room_keys[:, :, self._start:stop], room_values[:, :, self._start:stop]
+        self.pending = []
+        return True
 
     def _keep_spans(self, spans: tuple[tuple[int, int], ...]) -> None:
         """Hold only the entries in ``spans`` (cache-index ranges over stored + pending entries), copied once."""
@@ -216,8 +252,7 @@ class DenseStorage(KVStorage):
             self._room[1][:, :, written:written + key_piece.shape[2]].copy_(value_piece)
             written += key_piece.shape[2]
         self.keys, self.values = self._room[0][:, :, :kept], self._room[1][:, :, :kept]
-        self.pending = []
-        self.owned = True
+        self.pending, self.owned, self._start = [], True, 0
 
     def write_keys(self, index: torch.Tensor, keys: torch.Tensor) -> None:
         """Overwrite the keys at cache indices ``index`` (StreamingLLM's re-rotated sinks), in place when possible."""
@@ -225,7 +260,7 @@ class DenseStorage(KVStorage):
         if self.owned:
             stored.index_copy_(2, index, keys)
         else:  # the tensor may be shared (a forked prefill): write into a copy
-            self.keys, self.owned, self._room = stored.index_copy(2, index, keys), True, None
+            self.keys, self.owned, self._room, self._start = stored.index_copy(2, index, keys), True, None, 0
 
     def overwrite(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Replace the entries from cache index ``start`` on with ``keys``/``values`` (a quantizer's dequantized
