@@ -187,7 +187,7 @@ class DenseStorage(KVStorage):
             room_keys, room_values = self._room  # decoding into a buffer with room: no copy of what is held
             room_keys[:, :, end:end + new].copy_(keys)
             room_values[:, :, end:end + new].copy_(values)
-            self.keys, self.values = room_keys[:, :, self._start:end + new], room_values[:, :, self._start:end + new]
+            self._hold(self._start, end + new)
         else:
             self.pending.append((keys, values))
 
@@ -207,27 +207,22 @@ class DenseStorage(KVStorage):
         buffers have room for what is pending: the sinks move forward over the dropped entries, the held entries
         start after what they left, and the pending ones are written after the held. False when that cannot be
         done (the caller copies)."""
+        *first, (recent, stop) = spans
         total = len(self)
-        if self._room is None or len(spans) > 2 or spans[-1][1] != total:
+        if self._room is None or stop != total or len(first) > 1 or (first and first[0][0] != 0):
             return False
-        sinks = spans[0][1] if len(spans) == 2 and spans[0][0] == 0 else 0
-        if len(spans) == 2 and sinks == 0:
+        sinks = first[0][1] if first else 0
+        dropped, held, start = recent - sinks, self.keys.shape[2], self._start
+        if dropped <= 0 or sinks + dropped > held or start + total > self._room[0].shape[2]:
             return False
-        dropped = spans[-1][0] - sinks
-        held = self.keys.shape[2]
-        room_keys, room_values = self._room
-        if dropped <= 0 or sinks + dropped > held or self._start + total > room_keys.shape[2]:
-            return False
-        start, end = self._start, self._start + held
-        for room, pending in ((room_keys, [k for k, _ in self.pending]), (room_values, [v for _, v in self.pending])):
+        for part, room in enumerate(self._room):  # keys, then values
             if sinks:  # cloned first: the sinks' old and new places overlap when fewer entries are dropped
                 room[:, :, start + dropped:start + dropped + sinks].copy_(room[:, :, start:start + sinks].clone())
-            cursor = end
-            for piece in pending:
-                room[:, :, cursor:cursor + piece.shape[2]].copy_(piece)
-                cursor += piece.shape[2]
-        self._start, stop = start + dropped, start + total
-        self.keys, self.values = room_keys[:, :, self._start:stop], room_values[:, :, self._start:stop]
+            cursor = start + held
+            for entry in self.pending:
+                room[:, :, cursor:cursor + entry[part].shape[2]].copy_(entry[part])
+                cursor += entry[part].shape[2]
+        self._hold(start + dropped, start + total)
         self.pending = []
         return True
 
@@ -251,8 +246,13 @@ class DenseStorage(KVStorage):
             self._room[0][:, :, written:written + key_piece.shape[2]].copy_(key_piece)
             self._room[1][:, :, written:written + key_piece.shape[2]].copy_(value_piece)
             written += key_piece.shape[2]
-        self.keys, self.values = self._room[0][:, :, :kept], self._room[1][:, :, :kept]
-        self.pending, self.owned, self._start = [], True, 0
+        self._hold(0, kept)
+        self.pending, self.owned = [], True
+
+    def _hold(self, start: int, stop: int) -> None:
+        """Hold the buffers' entries ``[start, stop)``: ``keys`` and ``values`` become views of them."""
+        self._start = start
+        self.keys, self.values = self._room[0][:, :, start:stop], self._room[1][:, :, start:stop]
 
     def write_keys(self, index: torch.Tensor, keys: torch.Tensor) -> None:
         """Overwrite the keys at cache indices ``index`` (StreamingLLM's re-rotated sinks), in place when possible."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from typing import NamedTuple
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.specs import app_specs
@@ -66,6 +67,20 @@ def serve_class(loaded: LoadedModel, requests: list[RunRequest], together: int) 
     return until_result
 
 
+class ServedCounters(NamedTuple):
+    """What the model's running batch and shared prefill counted: forwards that fed more than one run, and the
+    seconds spent in decode steps."""
+
+    merged_steps: int = 0
+    merged_prefills: int = 0
+    decode_seconds: float = 0.0
+
+    def plus(self, now: ServedCounters, before: ServedCounters) -> ServedCounters:
+        """These counts with what was gained between ``before`` and ``now`` added."""
+        return ServedCounters(*(total + later - earlier
+                                for total, later, earlier in zip(self, now, before, strict=True)))
+
+
 def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list[RunRequest], what: str,
                 log, repeats: int = 1) -> None:
     """The class served one run at a time and with runs decoding together, in turns (the same requests, results
@@ -74,19 +89,17 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
     of the time one at a time and how much shorter they got together say what the ratio can be on this device."""
     decoder, prefills = shared_decoder(loaded), shared_prefill(loaded)
 
-    def counters() -> tuple[int, int, float]:
-        """Decode forwards and prefill forwards that fed more than one run, and seconds in decode steps, so far."""
-        return decoder.shared_forwards, prefills.shared_forwards, decoder.seconds
+    def counters() -> ServedCounters:
+        return ServedCounters(decoder.shared_forwards, prefills.shared_forwards, decoder.seconds)
 
     done: dict[int, list[list[float]]] = {1: [], RUNS_TOGETHER: []}
-    totals = {together: (0, 0, 0.0) for together in done}  # counters() gained while served, over the repeats
+    totals = {together: ServedCounters() for together in done}  # gained while served, over the repeats
     for _ in range(max(1, repeats)):  # interleaved, so a slow spell of the machine hits both ways
         for together in done:
             before = counters()
             log(f"  {what}: {len(requests)} runs, {together} at a time")
             done[together].append(serve_class(loaded, requests, together))
-            totals[together] = tuple(total + now - then
-                                     for total, now, then in zip(totals[together], counters(), before, strict=True))
+            totals[together] = totals[together].plus(counters(), before)
     all_done = {together: statistics.median(max(times) for times in served) for together, served in done.items()}
     for together, served in done.items():
         label = "one_at_a_time" if together == 1 else "together"
@@ -95,15 +108,14 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
                     note=f"{what}, {together} run(s) admitted at a time: seconds until a student's result")
         section.add(f"{name}_{label}_p95", percentile(waits, 0.95), "s")
         spread = " / ".join(f"{max(times):.1f}" for times in served)
-        merged_steps, merged_prefills, _ = totals[together]
         section.add(f"{name}_{label}_all_done", all_done[together], "s",
-                    note=f"median of {len(served)} ({spread} s); over them, {merged_steps} decode and "
-                         f"{merged_prefills} prefill forwards fed more than one run")
+                    note=f"median of {len(served)} ({spread} s); over them, {totals[together].merged_steps} decode "
+                         f"and {totals[together].merged_prefills} prefill forwards fed more than one run")
     ratio = all_done[RUNS_TOGETHER] / all_done[1]
     section.add(f"{name}_together_vs_one_at_a_time", ratio, "x", "<= 0.6" if loaded.device == "cpu" else "",
                 note=f"all done, {RUNS_TOGETHER} runs decoding together against one at a time")
     served_seconds = sum(max(times) for times in done[1])
-    (*_, decoding_alone), (*_, decoding_together) = totals[1], totals[RUNS_TOGETHER]
+    decoding_alone, decoding_together = totals[1].decode_seconds, totals[RUNS_TOGETHER].decode_seconds
     decode_share = decoding_alone / served_seconds
     decode_ratio = decoding_together / max(1e-9, decoding_alone)
     section.add(f"{name}_decode_share", decode_share, "",
