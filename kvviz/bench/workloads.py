@@ -55,6 +55,7 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None,
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from kvviz.cache.attention import install_attention
+    from kvviz.runtime.invariance import install_row_invariance
 
     if spec in PRESETS:
         fields = dict(PRESETS[spec])
@@ -77,7 +78,7 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None,
     model.generation_config.eos_token_id = None
     install_attention(model)
     return LoadedModel(name=f"random:{spec if spec in PRESETS else 'config'}", model=model, tokenizer=text_tokenizer,
-                       device=device, dtype=torch_dtype)
+                       device=device, dtype=torch_dtype, row_counts=install_row_invariance(model, device))
 
 
 @functools.lru_cache(maxsize=4)

@@ -208,6 +208,7 @@ class LoadedModel:
     device: str
     dtype: torch.dtype
     weights: str = "auto"
+    row_counts: tuple[int, ...] | None = None  # what linear layers pad their rows to (kvviz.runtime.invariance)
 
     def __post_init__(self) -> None:
         self.lock = FairLock()  # in arrival order: a prefill goes in between two steps of a decoding batch
@@ -251,6 +252,7 @@ def load_model(
 
     from kvviz.cache.attention import install_attention
     from kvviz.runtime.allocator import share_freed_memory
+    from kvviz.runtime.invariance import install_row_invariance
 
     share_freed_memory()
     hf_logging.disable_progress_bar()
@@ -280,4 +282,5 @@ def load_model(
         model.to(device)
     model.eval()
     install_attention(model)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype, weights=weights)
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype, weights=weights,
+                       row_counts=install_row_invariance(model, device))

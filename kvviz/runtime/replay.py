@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvviz.cache.kvcache import KVCache
+from kvviz.runtime.invariance import rows_as_they_come
 
 Progress = Callable[[float, str], None]
 
@@ -90,7 +91,7 @@ def decode(
     limit = len(forced_tokens) if forced_tokens is not None else max_new_tokens
     trace.kv_bytes_per_step.append(cache.nbytes().total)  # step 0: after prefill compression
     suffix = suffix_tokens or []
-    with torch.inference_mode():
+    with torch.inference_mode(), rows_as_they_come():  # one row, never in another run's forward
         for fed, token in enumerate(suffix, start=1):
             logits = forward_step(model, cache, [token], position, fed, device)
             position += 1

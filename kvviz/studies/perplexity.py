@@ -21,6 +21,7 @@ from kvviz.cache.kvcache import KVCache
 from kvviz.cache.protocol import Decode
 from kvviz.engine.session import PromptSession, check_context
 from kvviz.methods import REGISTRY, SpecError, parse_spec
+from kvviz.runtime.invariance import rows_as_they_come
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.replay import forward_step
 
@@ -99,7 +100,8 @@ def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) ->
     logits = session.prefill().last_logits
     losses = torch.empty(len(token_ids) - 1)
     total = len(token_ids) - 1
-    with torch.inference_mode():  # forward_step passes the cache as its attention's key source (and listener)
+    # forward_step passes the cache as its attention's key source (and listener); one row, never batched
+    with torch.inference_mode(), rows_as_they_come():
         for position in range(1, len(token_ids)):
             losses[position - 1] = -torch.log_softmax(logits.float(), dim=-1)[token_ids[position]].cpu()
             if position < total:
