@@ -1,5 +1,5 @@
-"""Every row's numbers independent of the batch it runs in, on a CPU: a run decoding with other users' runs, or its
-methods decoding one at a time, gives the same logits bit for bit as the same run alone.
+"""Every row's numbers independent of the batch it runs in, on a CPU: a run decoding with other users' runs gives
+the same logits, bit for bit, as the same run alone.
 
 A CPU's matrix multiply picks its kernel by the number of rows. Measured on the 2-core CPU (MKL 2024.2, AVX-512,
 every linear layer of SmolLM2-135M): a row multiplied alone, or in a batch of 2-3, 5-7 or 9-11 rows, differs in its
