@@ -92,6 +92,8 @@ def test_cli_bench_class_students_sizes_the_classrooms_heavy_half(tmp_path, caps
     assert 0 < figures["class_issue_decode_share"]["value"] < 1, "decode steps are part of a run, not all of it"
     assert figures["class_issue_decode_together_vs_apart"]["value"] > 0
     assert "all done would be" in figures["class_issue_decode_together_vs_apart"]["note"]
+    assert 0 < figures["class_issue_linear_together_vs_apart"]["value"], "what a batch shares, measured"
+    assert "the linear layers for 8 runs' 5 rows" in figures["class_issue_linear_together_vs_apart"]["note"]
     assert main(["bench", "--quick", "--class-students", "0"]) == 2
     assert "--class-students must be at least 1" in capsys.readouterr().err
 

@@ -14,7 +14,9 @@ import threading
 import time
 from typing import NamedTuple
 
-from kvviz.bench.harness import BenchRun, Section, bench_section, timed
+import torch
+
+from kvviz.bench.harness import BenchRun, Section, bench_section, interleaved, timed
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import fit, prompt_tokens
 from kvviz.engine.session import encode_prompt
@@ -128,6 +130,26 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
         f"({ratio:.2f}x); decode steps {decode_share:.0%} of the time alone, {decode_ratio:.2f}x together")
 
 
+def linear_sharing(loaded: LoadedModel, rows: int, runs: int, repeats: int) -> float:
+    """The model's linear layers, the part of a decode step whose weights every row shares, for ``runs`` runs'
+    ``rows`` rows each in one multiply over ``runs`` multiplies apart (medians, in turns): 1/runs if reading the weights
+    were all they cost, 1 if their arithmetic were. What decoding together can save at most, per step, on this
+    device."""
+    linears = [module for module in loaded.model.modules() if isinstance(module, torch.nn.Linear)]
+    inputs = {width: torch.randn(rows * runs, 1, width, dtype=loaded.dtype, device=loaded.device)
+              for width in {linear.in_features for linear in linears}}
+
+    def multiply(count: int, times: int) -> None:
+        with torch.inference_mode():
+            for _ in range(times):
+                for linear in linears:
+                    linear(inputs[linear.in_features][:count])
+
+    timings = interleaved(loaded.device, {"apart": lambda: multiply(rows, runs),
+                                          "together": lambda: multiply(rows * runs, 1)}, repeats)
+    return timings["together"][0].median / timings["apart"][0].median
+
+
 def _add_projection(section: Section, name: str, wait: ClassWait, what: str) -> None:
     section.add(f"{name}_wait_p50", wait.wait_p50, "s", note=f"{what}: {wait.runs} runs for {wait.students} students")
     section.add(f"{name}_wait_p95", wait.wait_p95, "s")
@@ -174,4 +196,11 @@ def classroom(run: BenchRun) -> Section:
                for i in range(sizes.class_students)]
     _add_served(section, "class_issue", loaded, uploads, f"{len(uploads)} students' comparisons of {len(specs)} "
                 f"configurations on their own {prompt}-token uploads", log)
+    rows = 2 * len(specs) - 1  # every configuration and, for those that part from full, a teacher-forced twin
+    shared = linear_sharing(loaded, rows, RUNS_TOGETHER, max(3, sizes.repeats))
+    section.add("class_issue_linear_together_vs_apart", shared, "x",
+                note=f"the linear layers for {RUNS_TOGETHER} runs' {rows} rows in one multiply over {RUNS_TOGETHER} "
+                     f"multiplies apart ({1 / RUNS_TOGETHER:.3f}x if reading the weights were all they cost): the "
+                     "part of a decode step a batch shares; the rest of a step is per row")
+    log(f"  linear layers of {RUNS_TOGETHER} runs' rows together: {shared:.2f}x of apart")
     return section
