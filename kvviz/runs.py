@@ -29,15 +29,8 @@ from kvviz.runtime.models import LoadedModel, cache_dir
 from kvviz.runtime.prefix import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.needle import NeedleReport, run_needle_grid
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
-from kvviz.studies.sweep import (
-    DEFAULT_BUDGETS,
-    PromptWorkload,
-    SweepReport,
-    TaskWorkload,
-    TextWorkload,
-    Workload,
-    run_sweep,
-)
+from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, run_sweep
+from kvviz.studies.workloads import Workload
 from kvviz.studies.tail import TailReport, run_tail
 
 Progress = Callable[[float, str], None]
@@ -212,20 +205,6 @@ class SweepRequest(RunRequest):
     workload: Workload
     specs: tuple[str, ...]
     budgets: tuple[float, ...] = DEFAULT_BUDGETS
-
-    @classmethod
-    def on_prompt(cls, prompt_ids: list[int], specs: list[str], budgets: list[float] = DEFAULT_BUDGETS,
-                  max_new_tokens: int = 32) -> SweepRequest:
-        return cls(PromptWorkload(tuple(prompt_ids), max_new_tokens), tuple(specs), tuple(budgets))
-
-    @classmethod
-    def on_task(cls, task: str, specs: list[str], budgets: list[float] = DEFAULT_BUDGETS,
-                length: int = 512) -> SweepRequest:
-        return cls(TaskWorkload(task, length), tuple(specs), tuple(budgets))
-
-    @classmethod
-    def on_play(cls, play: str, tokens: int, specs: list[str], budgets: list[float] = DEFAULT_BUDGETS) -> SweepRequest:
-        return cls(TextWorkload(play, tokens), tuple(specs), tuple(budgets))
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> SweepReport:
         return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress)

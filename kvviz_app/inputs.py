@@ -5,14 +5,23 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvviz.engine.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
+from kvviz.engine.prompts import (
+    PROMPT_SET_SUFFIX,
+    TEXT_SUFFIXES,
+    LengthCheck,
+    PromptLine,
+    decode_upload,
+    prompt_limit,
+    read_prompt_set,
+    truncate_middle,
+)
 from kvviz.engine.results import MethodResult
 from kvviz.engine.session import PromptError, encode_prompt
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
 from kvviz_app import plots
 from kvviz_app.chrome import settings
-from kvviz_app.url import linked, read_text
+from kvviz_app.url import linked, read_number, read_text
 
 
 def prompt_input(key: str, default: str, height: int = 160) -> str | None:
@@ -35,6 +44,54 @@ def prompt_input(key: str, default: str, height: int = 160) -> str | None:
             st.error(f"{error}. Nothing runs until you remove or replace the file.")
             return None
     return text
+
+
+def prompt_set_input(key: str, default: str) -> list[PromptLine] | None:
+    """One typed prompt (with an optional expected answer), or a prompt set uploaded as several .txt/.md files or
+    one .jsonl file of ``{"prompt": ..., "answer": ...}`` lines. A rejected upload returns None with its error (the
+    file, and the line, at fault): nothing runs until the user fixes or removes it."""
+    limit = settings().max_upload_mb
+    text = linked(f"{key}_text", read_text("prompt", default),
+                  lambda value: st.text_area("Prompt", value, height=140, key=f"{key}_text"))
+    answer = st.text_input("Expected answer (optional)", key=f"{key}_answer",
+                           help="With an answer the prompt is scored by accuracy (the answer appears in the "
+                                "output), else by agreement with the full cache's continuation.")
+    uploads = st.file_uploader(f"…or upload a prompt set: several .txt / .md files, or one .jsonl file with "
+                               f'{{"prompt": ..., "answer": ...}} per line (up to {limit} MB each)',
+                               type=[s.lstrip(".") for s in (*TEXT_SUFFIXES, PROMPT_SET_SUFFIX)],
+                               accept_multiple_files=True, key=f"{key}_files")
+    if uploads:
+        try:
+            lines = read_prompt_set([(u.name, u.getvalue()) for u in uploads], limit * 2**20)
+        except PromptError as error:
+            st.error(f"{error}. Nothing runs until you fix or remove the file.")
+            return None
+        st.caption(f"Using **{len(lines)} prompts** from {len(uploads)} file{'s' if len(uploads) > 1 else ''} "
+                   "instead of the text box.")
+        return lines
+    if not text or not text.strip():
+        st.error("The prompt is empty.")
+        return None
+    return [PromptLine("prompt", text, answer.strip() or None)]
+
+
+def item_from_link(loaded: LoadedModel) -> tuple[list[int], str] | None:
+    """The task item the link's ``item`` (and ``seed``) names, as a sweep scored it: its tokens and a line saying
+    what it is; None without one (or, with its error shown, for an id that names no item)."""
+    from kvviz.studies.tail_items import item_from_id
+
+    raw = st.query_params.get("item")
+    if not raw:
+        return None
+    seed = read_number("seed", 0, 0, 10**9).value
+    try:
+        item = item_from_id(loaded.tokenizer, raw, seed)
+    except PromptError as error:
+        st.error(f"{error}. Using the prompt below instead.")
+        return None
+    expected = ", ".join(item.expected) or "the system prompt's instructions"
+    return item.ids, (f"Task item **{item.item_id}** (seed {seed}) as the Trade-offs sweep scored it: "
+                      f"{len(item.ids)} tokens, expected {expected}.")
 
 
 def encode(loaded: LoadedModel, text: str | None, chat: bool, max_new_tokens: int = 0) -> list[int] | None:

@@ -1,4 +1,5 @@
-"""The Trade-offs page through AppTest: a small sweep on the default prompt, and a selection it refuses."""
+"""The Trade-offs page through AppTest: a small task sweep with its intervals, outcome grids and links, a prompt
+set refused for its bad line, and a selection it refuses."""
 
 from pathlib import Path
 from urllib.parse import parse_qs
@@ -8,27 +9,41 @@ from streamlit.testing.v1 import AppTest
 PAGE = Path(__file__).resolve().parents[1] / "views" / "8_Trade_offs.py"
 
 
-def test_a_sweep_draws_lines_and_the_frontier_and_links_each_point_to_compare():
+def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
     app = AppTest.from_file(str(PAGE), default_timeout=300).run()
     assert not app.exception and not app.error
+    assert app.radio(key="sweep_workload").value == "task" and app.number_input(key="sweep_items").value == 32
     families = app.multiselect(key="sweep_families")
     assert "snapkv" in families.value and any("sweeps budget" in o for o in families.options)
-    families.set_value(["streaming_llm", "kivi:residual=0"])
-    app.multiselect(key="sweep_budgets").set_value([0.25, 0.5])
-    app.number_input(key="sweep_max_new").set_value(4)
+    families.set_value(["streaming_llm"])
+    app.multiselect(key="sweep_budgets").set_value([0.125])
+    app.selectbox(key="sweep_task").set_value("needle")
+    app.number_input(key="sweep_items").set_value(3)
     app.run()
     next(b for b in app.button if b.label == "Run the sweep").click().run()
     assert not app.exception and not app.error, [str(e.value) for e in app.error]
-    assert "configurations on" in app.success[0].value
-    assert any("One prompt is a demonstration" in str(m.value) for m in app.markdown)
+    assert "configurations on 3 needle items" in app.success[0].value
+    assert any("Wilson score interval" in str(c.value) for c in app.caption)
     chart = app.get("plotly_chart")[0].proto.spec
-    assert '"frontier"' in chart and '"type":"log"' in chart.replace(" ", "")
-    table = app.dataframe[0].value
-    assert list(table["spec"])[:2] == ["full", "streaming_llm:window=" + list(table["spec"])[1].split("=")[1]]
-    link = parse_qs(table["open"].iloc[1].split("?", 1)[1])
-    assert link["m"] == ["full", table["spec"].iloc[1]] and link["n"] == ["4"] and "Ines" in link["prompt"][0]
-    assert table["frontier"].any()
+    assert '"frontier"' in chart and '"error_y"' in chart and "full's 95% interval" in chart
+    grid = app.get("plotly_chart")[1].proto.spec
+    assert "every item at every budget" in grid
+    failures, table = app.dataframe[0].value, app.dataframe[1].value
+    assert list(table["spec"])[0] == "full" and table["accuracy_ci"].notna().all()
+    link = parse_qs(failures["open"].iloc[0].split("?", 1)[1])
+    assert link["item"] == [failures["item"].iloc[0]] and link["m"] == ["full", failures["spec"].iloc[0]]
+    assert link["n"] == ["16"] and link["seed"] == ["0"]
+    assert (failures["outcome"] == "evicted").all(), "a window of 1/8 loses the key wherever it is not recent"
     assert [b.label for b in app.get("download_button")] == ["Points as CSV", "Sweep as JSON"]
+
+
+def test_a_failed_item_opens_in_compare_with_its_own_prompt():
+    compare = Path(__file__).resolve().parents[1] / "views" / "2_Compare.py"
+    app = AppTest.from_file(str(compare), default_timeout=300)
+    app.query_params.update({"item": "needle:256:0.5:1", "seed": "0", "m": ["full", "streaming_llm:window=28"]})
+    app.run()
+    assert not app.exception and not app.error
+    assert "Task item **needle:256:0.5:1** (seed 0)" in app.info[0].value and not app.text_area
 
 
 def test_fixed_configurations_alone_are_refused_before_running():

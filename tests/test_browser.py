@@ -323,25 +323,28 @@ def test_bad_links_say_what_they_changed_and_run_nothing(server):
             browser.close()
 
 
-def test_trade_offs_default_run_draws_crossing_lines_and_the_frontier(server):
+def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
         browser = _browser(playwright)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(f"{server}/Trade_offs", timeout=120_000)  # the five default families on the lesson prompt
+            page.goto(f"{server}/Trade_offs", timeout=120_000)  # three families on 32 multikey items of 256 tokens
             page.get_by_role("button", name="Run the sweep").wait_for(timeout=180_000)
             settle(page)
             page.get_by_role("button", name="Run the sweep").click()
-            page.get_by_text("configurations on").wait_for(timeout=600_000)
+            page.get_by_text("configurations on 32 multikey items").wait_for(timeout=600_000)
             settle(page)
             no_exception(page)
             body = page.inner_text("body")
-            assert "smaller than full or more" in body and "One prompt is a demonstration" in body
+            assert "smaller than full or more" in body and "indistinguishable from full at this sample size" in body
+            assert "cliff" in body and "Wilson score interval" in body and "items kept" in body
             page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)  # plotly draws after the script ends
-            assert page.locator(".js-plotly-plot").count() == 1
-            assert "frontier" in page.locator(".js-plotly-plot").first.inner_text()
+            assert page.locator(".js-plotly-plot").count() == 4, "the trade-off chart and each family's item grid"
+            chart = page.locator(".js-plotly-plot").first.inner_text()
+            assert "frontier" in chart and "full's 95% interval" in chart
             shoot(page, "tradeoffs", element=".js-plotly-plot")
+            shoot(page, "tradeoffs-items", anchor="Every item, every budget")
         finally:
             browser.close()

@@ -1,26 +1,23 @@
 """The trade-off sweep: families sized along every axis, the frontier, and points that equal compare's."""
 
-import itertools
 import math
 
 import pytest
 import torch
 
-from kvviz.engine.session import compare, teacher_forced
+from kvviz.engine.batched import teacher_forced
+from kvviz.engine.session import compare
 from kvviz.methods import Sizing, SpecError
 from kvviz.studies.frontier import AGREEMENT, PERPLEXITY, Candidate, on_frontier, recommendation
 from kvviz.studies.sweep import (
-    PromptWorkload,
     SweepPoint,
-    TaskWorkload,
-    TextWorkload,
     budget_reversals,
-    check_workload,
     family_specs,
     plan,
     read_family,
     run_sweep,
 )
+from kvviz.studies.workloads import PromptCase, PromptWorkload, TaskWorkload, TextWorkload, check_workload
 
 SIZING = Sizing(prompt_length=1024, kv_heads=3, head_dim=64, bytes_per_element=4)
 BUDGETS = [0.0625, 0.125, 0.25, 0.5]
@@ -152,15 +149,17 @@ def test_a_sweep_point_equals_the_same_spec_run_alone_through_compare(real_model
 
 
 def test_the_frontier_and_summary_of_a_prompt_sweep(real_model, story_ids):
-    report = run_sweep(real_model, PromptWorkload(tuple(story_ids), 4), ["streaming_llm", "kivi:residual=0"],
-                       [0.125, 0.5])
+    report = run_sweep(real_model, PromptWorkload((PromptCase("story", "", tuple(story_ids)),), 4),
+                       ["streaming_llm", "kivi:residual=0"], [0.125, 0.5])
     data = report.to_json()
     assert set(data) >= {"model", "prompt_tokens", "workload", "points"}
     assert data["prompt_tokens"] == len(story_ids)
     on = [p for p in report.points if p.frontier]
     assert on and all(p.agreement_with_full is not None for p in on)
-    assert set(report.frontiers) == {"agreement_with_full", "mean_kl"}
-    assert report.summary[-1].startswith("One prompt is a demonstration, not a benchmark")
+    assert set(report.frontiers) == {"agreement_with_full", "mean_kl", "kl_p95"}
+    assert report.summary[-1].startswith("One prompt is a single example, not a benchmark: it has no interval")
+    assert all(p.agreement_ci is None and p.like_full is None for p in report.points)  # nothing to tell it by
+    assert report.cliffs == {"streaming_llm": None, "kivi:residual=0": None}
     assert all(p.factors is not None for p in report.points)
     assert report.markdown().count("\n") == len(report.points) + 1
 
@@ -175,7 +174,7 @@ def test_a_text_sweep_reports_perplexity_and_refuses_prompt_only_evictions_per_p
 
 
 def test_a_task_sweep_scores_calibrated_items(real_model):
-    report = run_sweep(real_model, TaskWorkload("needle", 192, (0.5,)), ["streaming_llm"], [0.0625])
+    report = run_sweep(real_model, TaskWorkload("needle", 192, 2), ["streaming_llm"], [0.0625])
     full = report.points[0]
     if full.error:  # the full cache missed the only item: every point says so instead of scoring
         assert all(p.error == full.error for p in report.points)
@@ -184,34 +183,60 @@ def test_a_task_sweep_scores_calibrated_items(real_model):
     assert min(p.compression for p in report.points) >= 1.0
 
 
-def test_the_pages_default_run_draws_curves_that_cross(real_model):
-    """The Trade-offs page opens on DEFAULT_FAMILIES over the lesson prompt: some family must lead at one compression
-    and trail at another, or the chart teaches nothing about choosing."""
-    from kvviz.engine.session import encode_prompt
-    from kvviz.lessons import STORY_QUESTION
-    from kvviz.runs import SweepRequest
-    from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES
+def test_each_items_outcome_equals_that_item_run_alone_through_compare_and_its_ledger(real_model):
+    """Every configuration of a wave of items decodes in one batch; each item's answer, score and evicted planted
+    spans must be what that item alone through compare gives with the same SPEC (and its ledger says)."""
+    from kvviz.studies.tail_attribution import span_fates
+    from kvviz.studies.tail_items import NEW_TOKENS, spread_items
 
-    ids = encode_prompt(real_model.tokenizer, STORY_QUESTION, chat=True)
-    report = SweepRequest.on_prompt(ids, list(DEFAULT_FAMILIES), list(DEFAULT_BUDGETS), 24).compute(real_model)
-    curves: dict[str, list[tuple[float, float]]] = {}
+    report = run_sweep(real_model, TaskWorkload("multikey", 192, 3, seed=1), ["streaming_llm", "snapkv"], [0.25])
+    items = {item.item_id: item for item in spread_items(real_model.tokenizer, "multikey", 192, 3, seed=1)}
+    checked = 0
     for point in report.points[1:]:
-        curves.setdefault(point.family, []).append((point.compression, point.agreement_with_full))
+        assert point.error is None and point.outcomes, point.error
+        for outcome in point.outcomes:
+            item = items[outcome.item]
+            alone = compare(real_model, item.ids, [point.spec], NEW_TOKENS["multikey"]).results[-1]
+            assert outcome.answer == alone.text.strip(), (point.spec, outcome.item)
+            assert outcome.correct == all(item.score(alone.text).values())
+            fates = span_fates(alone.ledger, item.spans)
+            assert outcome.evicted == {f.label: len(f.evicted_layers) for f in fates if f.evicted}
+            checked += 1
+    assert checked == 2 * report.points[0].items_scored
+    assert any(o.evicted for p in report.points[1:] for o in p.outcomes), "a quarter of the items evicts something"
 
-    def at(curve: list[tuple[float, float]], compression: float) -> float:
-        """The curve's agreement at ``compression``, read along its line (points sorted by compression)."""
-        for (x0, y0), (x1, y1) in itertools.pairwise(sorted(curve)):
-            if x0 <= compression <= x1 and x1 > x0:
-                return y0 + (y1 - y0) * (compression - x0) / (x1 - x0)
-        raise ValueError("outside the curve")
 
-    def cross(a: list, b: list) -> bool:
-        low, high = max(min(a)[0], min(b)[0]), min(max(a)[0], max(b)[0])
-        grid = [low + (high - low) * i / 50 for i in range(51)] if high > low else []
-        signs = {at(a, x) > at(b, x) for x in grid if at(a, x) != at(b, x)}
-        return signs == {True, False}
+def test_a_play_streams_every_configuration_together_as_each_streams_alone(tiny_model):
+    from kvviz.studies.perplexity import play_text, streaming_perplexities, streaming_perplexity
 
-    names = [name for name, curve in curves.items() if len(curve) > 1]
-    # the stack's few kept tokens do not fill a KIVI group at the smallest budgets; the page says so
-    assert any(note.startswith("snapkv+kivi:bits=4,residual=0 holds more at budget") for note in report.notes)
-    assert any(cross(curves[a], curves[b]) for i, a in enumerate(names) for b in names[i + 1:])
+    ids = tiny_model.tokenizer(play_text("hamlet"))["input_ids"][:40]
+    specs = ["full", "streaming_llm:sinks=2,window=8", "h2o:heavy=4,recent=4", "kivi:bits=2,residual=0",
+             "snapkv:budget=0.25"]
+    together = streaming_perplexities(tiny_model, ids, specs)
+    assert "compresses a prompt once" in str(together[-1])
+    for spec, result in zip(specs[:-1], together, strict=False):
+        alone = streaming_perplexity(tiny_model, ids, spec)
+        assert result.tokens == alone.tokens == len(ids) - 1 and result.kv_bytes == alone.kv_bytes, spec
+        assert result.per_token_nll == pytest.approx(alone.per_token_nll, rel=1e-4, abs=1e-4), spec
+
+
+def test_a_prompt_set_with_answers_scores_accuracy_on_what_full_answers_and_agreement_per_prompt(real_model):
+    from kvviz.engine.prompts import PromptLine
+    from kvviz.lessons import STORY_QUESTION
+
+    lines = [PromptLine("story", STORY_QUESTION, "Ines"),
+             PromptLine("france", "What is the capital of France? Answer in one word.", "Paris"),
+             PromptLine("nonsense", "Say only the word blue.", "a word full will not say")]
+    workload = PromptWorkload.encode(real_model.tokenizer, lines, chat=True, max_new_tokens=8)
+    report = run_sweep(real_model, workload, ["kivi:residual=0"], [0.25])
+    full, *points = report.points
+    assert set(report.frontiers) == {"accuracy", "agreement_with_full", "mean_kl"}
+    assert report.notes[0].startswith(f"{full.items_scored} of 3 prompts kept for accuracy")
+    assert full.accuracy == 1.0 and full.accuracy_ci[1] == 1.0 and full.items_scored < 3
+    for point in points:
+        assert [o.item for o in point.outcomes] == ["story", "france", "nonsense"], "agreement on every prompt"
+        assert [o.correct is None for o in point.outcomes] == [o.correct is None for o in full.outcomes]
+        assert point.agreement_ci is not None and point.agreement_ci[0] <= point.agreement_with_full
+        assert point.worst_prompt_agreement == min(o.agreement for o in point.outcomes)
+        assert point.kl_p95 is not None and point.like_full is not None
+    assert report.rules["answer"].startswith("correct when the expected answer appears in the output")

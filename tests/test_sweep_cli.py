@@ -16,7 +16,8 @@ POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_
     (["--task", "needle", "--method", "snapkv", "--budgets", "0.25,1.5"], "budget 1.5 is outside (0, 1]"),
     (["--task", "sudoku", "--method", "snapkv"], "unknown task 'sudoku'; choose needle, multikey, multivalue"),
     (["--task", "needle", "--method", "snapkv+kivi"], "leaves snapkv's budget and kivi's bits free"),
-    (["--method", "snapkv"], "give the workload as --prompt-file FILE, --play NAME or --task TASK"),
+    (["--method", "snapkv"], "give the workload as --prompts FILE / --prompt-file FILE, --play NAME or --task TASK"),
+    (["--task", "needle", "--items", "0", "--method", "snapkv"], "give at least one item"),
     (["--task", "needle"], "give at least one --method SPEC"),
     (["--task", "needle", "--method", "snapkv", "--budgets", "a,b"], "bad --budgets 'a,b'"),
 ])
@@ -49,3 +50,35 @@ def test_json_holds_every_point_with_the_schema_keys(tiny_model, monkeypatch, ca
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + len(data["points"])  # the header and one row per point
+
+
+def test_a_bad_prompt_set_is_named_by_its_line_before_loading_a_model(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(options, "load", lambda args: pytest.fail("refused before loading a model"))
+    bad = tmp_path / "set.jsonl"
+    bad.write_text('{"prompt": "fine"}\nnot json\n')
+    assert main(["sweep", "--prompts", str(bad), "--method", "snapkv", "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'set.jsonl' line 2 is not JSON" in err
+
+
+def test_a_sweep_json_carries_intervals_outcomes_items_and_cliffs(real_model, tmp_path, monkeypatch, capsys):
+    from kvviz.studies.tail_items import spread_items
+
+    monkeypatch.setattr(options, "load", lambda args: real_model)
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--task", "needle", "--task-length", "160", "--items", "3", "--seed", "2", "--method",
+                 "streaming_llm", "--budgets", "0.25", "--quiet", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [item["id"] for item in data["items"]] == [i.item_id for i in spread_items(real_model.tokenizer, "needle",
+                                                                                      160, 3, seed=2)]
+    assert all(set(item) >= {"id", "prompt", "expected"} for item in data["items"])
+    full, point = data["points"]
+    kept = sum(item["kept"] for item in data["items"])
+    assert full["items_scored"] == point["items_scored"] == kept
+    assert len(point["accuracy_ci"]) == 2 and point["accuracy_ci"][0] <= point["accuracy"] <= point["accuracy_ci"][1]
+    assert [o["item"] for o in point["outcomes"]] == [i["id"] for i in data["items"] if i["kept"]]
+    assert all(set(o) >= {"item", "correct", "evicted"} for o in point["outcomes"])
+    (family,) = data["families"]
+    assert family["spec"] == "streaming_llm" and "cliff" in family
+    assert data["rules"]["interval"].startswith("95% Wilson score interval")
+    assert "items kept" in capsys.readouterr().out

@@ -10,7 +10,7 @@ from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
-from kvviz_app.inputs import encode, method_output, native_report, prompt_input, token_texts
+from kvviz_app.inputs import encode, item_from_link, method_output, native_report, prompt_input, token_texts
 from kvviz_app.queue import run_comparison
 from kvviz_app.url import choice_setting, flag_setting, number_setting, plural, share_settings
 from kvviz_app.widgets import method_grid, methods_of
@@ -21,7 +21,7 @@ DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvvi
 page_header("Compare", "Compare cache configurations",
             "The prompt runs through the model once; each configuration then generates from its own copy of the "
             "cache. `full` keeps everything and is the reference every other output is compared with.",
-            link_settings=("m", "n", "chat", "prompt", "kept", "layer"))
+            link_settings=("m", "n", "chat", "prompt", "kept", "layer", "item", "seed"))
 
 loaded = require_model()
 
@@ -49,7 +49,12 @@ with st.sidebar:
     chat = flag_setting("Chat template", "chat", True, key="chat",
                         help="Wrap the prompt as one user turn, as the instruct model expects.")
 
-text = prompt_input("compare", DEFAULT_PROMPT)
+item = item_from_link(loaded)  # a Trade-offs sweep's item, opened here on its own
+if item is not None:
+    st.info(item[1])
+    with st.expander("The item's prompt"):
+        st.text(loaded.tokenizer.decode(item[0]))
+text = None if item is not None else prompt_input("compare", DEFAULT_PROMPT)
 
 st.subheader("Configurations")
 st.caption(f"{len(methods_of('architecture'))} architecture, "
@@ -59,7 +64,7 @@ st.caption(f"{len(methods_of('architecture'))} architecture, "
 grid = method_grid("cfg", default_specs(), MAX_CONFIGS, per_row=3)
 valid = grid.valid
 share_settings(m=grid.shared, n=int(max_new), chat=chat)
-ids = encode(loaded, text, chat, int(max_new))
+ids = item[0] if item is not None else encode(loaded, text, chat, int(max_new))
 if grid.blocked():
     st.warning(grid.blocked())
 if st.button("Run comparison", type="primary", disabled=ids is None or not grid.ready):

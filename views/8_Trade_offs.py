@@ -1,33 +1,43 @@
-"""Trade-offs: every family of methods across its budgets, quality against memory, and the frontier."""
+"""Trade-offs: every family of methods across its budgets, quality against memory with its uncertainty and its tail."""
 
 import json
 
 import streamlit as st
 
+from kvviz.engine.session import PromptError
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError
 from kvviz.runs import SweepRequest
 from kvviz.studies.frontier import MEASURES
 from kvviz.studies.perplexity import play_names
-from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, SWEEP_TASKS, check_sweep, read_family
+from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, check_sweep, read_family
+from kvviz.studies.tail_items import NEW_TOKENS
+from kvviz.studies.workloads import DEFAULT_ITEMS, SWEEP_TASKS, PromptWorkload, TaskWorkload, TextWorkload
+from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
-from kvviz_app.inputs import encode, prompt_input
+from kvviz_app.inputs import prompt_set_input
 from kvviz_app.queue import run_pressed
-from kvviz_app.tradeoffs import compare_link, families_from_link, tradeoff_figure
+from kvviz_app.tradeoffs import compare_link, families_from_link, item_link
 from kvviz_app.url import Read, choice_setting, choices_setting, flag_setting, linked, number_setting, share_settings
 
 DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py)
+# The page's first run: three axis ideas (a position window, a query-aware selection, a quantizer) on 32 multikey
+# items of 256 tokens, within a minute on a 2-core CPU; h2o and the stacks are one click away in the list.
+PAGE_FAMILIES = ("streaming_llm", "snapkv", "kivi:residual=0")
+PAGE_TASK, PAGE_LENGTH = "multikey", 256
 BUDGET_CHOICES = (0.03125, 0.0625, 0.125, 0.25, 0.5, 0.75)
-WORKLOADS = {"prompt": "Your prompt", "task": "A task", "text": "A play"}
+WORKLOADS = {"task": "A task: many items", "prompt": "Your prompts", "text": "A play"}
 LENGTHS = [256, 512, 1024]
 
 page_header("Trade-offs", "Trade-offs: quality against memory",
             "Which configuration should you deploy at your memory budget, and what does it lose? Each family is "
             "one method (or stack) with one parameter left free, swept across the budgets; every point is "
-            "measured. The frontier marks the configurations nothing beats on both memory and quality.",
-            link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "play", "tokens"))
+            "measured on many items and carries its 95% interval, so two configurations are only ranked when the "
+            "evidence separates them. The frontier marks the configurations nothing beats on memory and quality.",
+            link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "items", "seed", "play", "tokens"))
 
 loaded = require_model()
+limits = settings()
 
 
 @st.cache_data(show_spinner=False)
@@ -36,7 +46,7 @@ def family_choices() -> dict[str, str]:
     from kvviz.methods.kvpress.catalog import press_catalog
 
     names = [n for n in sorted(REGISTRY) if n != "full" and n != "kvpress_native"]
-    specs = [*DEFAULT_FAMILIES, *names, *(f"kvpress_native:press={p}" for p in sorted(press_catalog()))]
+    specs = [*PAGE_FAMILIES, *DEFAULT_FAMILIES, *names, *(f"kvpress_native:press={p}" for p in sorted(press_catalog()))]
     choices = {}
     for spec in dict.fromkeys(specs):
         try:
@@ -49,33 +59,54 @@ def family_choices() -> dict[str, str]:
 
 with st.sidebar:
     st.subheader("Workload")
-    workload = choice_setting("Quality measured on", "w", list(WORKLOADS), "prompt", key="sweep_workload",
-                              widget=st.radio, format_func=WORKLOADS.get,
-                              help="Your prompt: agreement with full's continuation (teacher-forced). A task: "
-                                   "accuracy on items the full cache gets right. A play: streaming perplexity.")
+    workload_kind = choice_setting("Quality measured on", "w", list(WORKLOADS), "task", key="sweep_workload",
+                                   widget=st.radio, format_func=WORKLOADS.get,
+                                   help="A task: accuracy on many generated items the full cache gets right. Your "
+                                        "prompts: accuracy where each has an answer, else agreement with full's "
+                                        "continuation (teacher-forced). A play: streaming perplexity.")
     budgets = choices_setting("Budgets (share of the full cache)", "b", list(BUDGET_CHOICES), list(DEFAULT_BUDGETS),
                               key="sweep_budgets", cast=float,
                               format_func=lambda b: f"1/{round(1 / b)}" if round(1 / b) * b == 1 else f"{b:.0%}",
                               help="Evictions keep this share of the tokens, lowrank this share of the width; a "
                                    "quantizer's bit widths and merge_heads' head counts are their own budgets.")
-    cap = settings().max_new_tokens
-    max_new = number_setting("Teacher-forced tokens", "n", min(cap, 24), 1, cap, key="sweep_max_new",
-                             disabled=workload != "prompt")
-    chat = flag_setting("Chat template", "chat", True, key="sweep_chat", disabled=workload != "prompt")
+    cap = limits.max_new_tokens
+    max_new = number_setting("Tokens per prompt", "n", min(cap, 24), 1, cap, key="sweep_max_new",
+                             disabled=workload_kind != "prompt")
+    chat = flag_setting("Chat template", "chat", True, key="sweep_chat", disabled=workload_kind != "prompt")
+    items = number_setting("Items", "items", min(DEFAULT_ITEMS, limits.max_items), 1, limits.max_items,
+                           key="sweep_items", disabled=workload_kind != "task",
+                           help=f"Items at depths spread over the context. 32 items give a 95% interval of about "
+                                f"±14 points around 80%. This server allows up to {limits.max_items}.")
+    seed = number_setting("Seed", "seed", 0, 0, 1_000_000, key="sweep_seed", disabled=workload_kind != "task",
+                          help="Which items: the same seed gives the same items for every configuration and run.")
 
+workload = None
 prompt_text: str | None = None
-ids: list[int] | None = None
-task, task_length, play, play_tokens = SWEEP_TASKS[0], 512, "hamlet", 512
-if workload == "prompt":
-    prompt_text = prompt_input("sweep", DEFAULT_PROMPT)
-    ids = encode(loaded, prompt_text, chat, int(max_new))
-elif workload == "task":
+task, task_length, play, play_tokens = PAGE_TASK, PAGE_LENGTH, "hamlet", 512
+if workload_kind == "task":
     left, right = st.columns(2)
     with left:
-        task = choice_setting("Task", "task", list(SWEEP_TASKS), SWEEP_TASKS[0], key="sweep_task")
+        task = choice_setting("Task", "task", list(SWEEP_TASKS), PAGE_TASK, key="sweep_task")
     with right:
-        task_length = choice_setting("Prompt length (tokens)", "len", LENGTHS, 512, key="sweep_task_length",
+        task_length = choice_setting("Prompt length (tokens)", "len", LENGTHS, PAGE_LENGTH, key="sweep_task_length",
                                      widget=st.select_slider, cast=int)
+    workload = TaskWorkload(task, int(task_length), int(items), int(seed))
+elif workload_kind == "prompt":
+    lines = prompt_set_input("sweep", DEFAULT_PROMPT)
+    if lines is not None:
+        try:
+            workload = PromptWorkload.encode(loaded.tokenizer, lines, chat, int(max_new))
+            too_long = [p for p in workload.prompts if len(p.ids) > limits.max_prompt_tokens]
+            if too_long:
+                raise PromptError(f"{too_long[0].name} has {len(too_long[0].ids):,} tokens; this server allows "
+                                  f"{limits.max_prompt_tokens:,}")
+        except PromptError as error:
+            workload = None
+            st.error(f"{error}. Nothing runs until it is fixed.")
+        if len(lines) == 1:
+            prompt_text = lines[0].text
+            st.caption("One prompt is a single example: its points have no interval. Upload a prompt set (several "
+                       "files, or one .jsonl) for a curve to decide on.")
 else:
     left, right = st.columns(2)
     try:
@@ -88,36 +119,31 @@ else:
     with right:
         play_tokens = choice_setting("Tokens scored", "tokens", LENGTHS, 512, key="sweep_play_tokens",
                                      widget=st.select_slider, cast=int)
+    workload = TextWorkload(play, int(play_tokens))
 
 choices = family_choices()
-linked_families, typed = families_from_link(list(choices), [f for f in DEFAULT_FAMILIES if f in choices])
+linked_families, typed = families_from_link(list(choices), [f for f in PAGE_FAMILIES if f in choices])
 families = linked("sweep_families", linked_families, lambda value: st.multiselect(
     "Families", list(choices), value, format_func=lambda spec: f"{spec} · {choices[spec]}", key="sweep_families",
     help="A method named without its budget is a family; one with every parameter fixed (fp8) is one point."))
 extra = linked("sweep_extra", Read(typed), lambda value: st.text_input(
     "More families or fixed SPECs (separated by spaces)", value, key="sweep_extra",
-    placeholder="lowrank+snapkv:budget=0.25  merge_heads+kivi:bits=4"))
+    placeholder="h2o  snapkv+kivi:bits=4  lowrank+snapkv:budget=0.25"))
 specs = list(dict.fromkeys([*families, *extra.split()]))
-share_settings(w=workload, m=specs, b=sorted(budgets), n=int(max_new), chat=chat,
-               **({"task": task, "len": task_length} if workload == "task" else {}),
-               **({"play": play, "tokens": play_tokens} if workload == "text" else {}))
+share_settings(w=workload_kind, m=specs, b=sorted(budgets), n=int(max_new), chat=chat,
+               **({"task": task, "len": task_length, "items": int(items), "seed": int(seed)}
+                  if workload_kind == "task" else {}),
+               **({"play": play, "tokens": play_tokens} if workload_kind == "text" else {}))
 
 problem = None
 try:
-    check_sweep(specs, sorted(budgets))
+    check_sweep(specs, sorted(budgets), workload, limits.max_items)
 except ValueError as error:
     problem = str(error)
     st.error(problem)
-ready = problem is None and (workload != "prompt" or ids is not None)
-if st.button("Run the sweep", type="primary", disabled=not ready):
-    if workload == "prompt":
-        request = SweepRequest.on_prompt(ids, specs, sorted(budgets), int(max_new))
-    elif workload == "task":
-        request = SweepRequest.on_task(task, specs, sorted(budgets), int(task_length))
-    else:
-        request = SweepRequest.on_play(play, int(play_tokens), specs, sorted(budgets))
-    st.session_state["sweep_request"] = request
-    st.session_state["sweep_prompt"] = prompt_text if workload == "prompt" else None
+if st.button("Run the sweep", type="primary", disabled=problem is not None or workload is None):
+    st.session_state["sweep_request"] = SweepRequest(workload, tuple(specs), tuple(sorted(budgets)))
+    st.session_state["sweep_prompt"] = (prompt_text, chat)
 
 request, report = run_pressed(
     loaded, "sweep_request", "Choose the workload, the families and the budgets, then press **Run the sweep**.",
@@ -129,28 +155,72 @@ for line in report.summary:
     st.markdown(f"- {line}")
 for note in report.notes:
     st.caption(note)
+for name, rule in report.rules.items():
+    st.caption(f"{name.replace('_', ' ').capitalize()}: {rule}.")
 
 measure = report.main_measure
 if len(report.frontiers) > 1:
     measure = st.radio("Quality measure", list(report.frontiers), format_func=lambda k: MEASURES[k].label,
                        horizontal=True, key="sweep_measure")
-st.plotly_chart(tradeoff_figure(report, measure), width="stretch")
+st.plotly_chart(plots.tradeoff_figure(report, measure), width="stretch")
 
-prompt = st.session_state.get("sweep_prompt")
-compare_tokens = getattr(request.workload, "max_new_tokens", 24)
+prompt, prompt_chat = st.session_state.get("sweep_prompt", (None, True))
+on_items = isinstance(request.workload, TaskWorkload)
+compare_tokens = NEW_TOKENS[request.workload.task] if on_items else getattr(request.workload, "max_new_tokens", 24)
 table = report.to_frame()
 table["frontier"] = table["spec"].isin(report.frontiers[measure])
-table["open"] = [compare_link(spec, prompt, chat, compare_tokens) for spec in table["spec"]]
-shown = [c for c in ("spec", "family", "budget", "kv_bytes", "compression", *report.frontiers, "first_divergence",
-                     "frontier", "open", "error") if c in table and (c != "error" or table[c].notna().any())]
+table["open"] = [item_link(spec, report.items[0]["id"], request.workload.seed, compare_tokens) if on_items
+                 else compare_link(spec, prompt, prompt_chat, compare_tokens) for spec in table["spec"]]
+for key in ("accuracy_ci", "agreement_ci"):
+    if key in table and table[key].notna().any():
+        table[key] = [None if v is None else f"{v[0]:.0%} – {v[1]:.0%}" for v in table[key]]
+shown_columns = [c for c in ("spec", "family", "budget", "kv_bytes", "compression", *report.frontiers,
+                             "accuracy_ci", "agreement_ci", "items_scored", "like_full", "first_divergence",
+                             "frontier", "open", "error")
+                 if c in table and (table[c].notna().any() if c != "frontier" else True)]
+if on_items:
+    st.subheader("Every item, every budget")
+    st.caption("Each family's outcome per item: green right; red wrong with a planted span it needed evicted "
+               "(hover for which, and in how many layers); orange wrong with nothing planted evicted under a "
+               "quantizer; purple wrong with everything planted kept.")
+    families_run = [f.spec for f in report.families if any(p.family == f.spec and p.outcomes for p in report.points)]
+    tabs = st.tabs(families_run) if families_run else []
+    for tab, family in zip(tabs, families_run, strict=True):
+        with tab:
+            cells = plots.outcome_cells(report, family)
+            st.plotly_chart(plots.outcome_grid(cells, family), width="stretch")
+            failed = cells[cells["outcome"] != "correct"].copy()
+            if failed.empty:
+                st.caption("No failure: every item was answered right at every budget.")
+                continue
+            failed["open"] = [item_link(spec, item, request.workload.seed, compare_tokens)
+                              for spec, item in zip(failed["spec"], failed["item"], strict=True)]
+            st.dataframe(failed, hide_index=True, width="stretch", column_config={
+                "open": st.column_config.LinkColumn("in Compare", display_text="open"),
+                "outcome": st.column_config.TextColumn("cause")})
+
+if isinstance(request.workload, PromptWorkload) and len(request.workload.prompts) > 1:
+    st.subheader("Every prompt")
+    st.caption("Each prompt's agreement with full under each configuration (teacher-forced): the mean above hides "
+               "the prompts that fall apart. Sorted by the worst configuration's agreement.")
+    per_prompt = plots.prompt_outcomes(report)
+    st.dataframe(per_prompt, width="stretch",
+                 column_config={c: st.column_config.ProgressColumn(c, min_value=0.0, max_value=1.0, format="percent")
+                                for c in per_prompt.columns})
+
 st.subheader("Every point")
-st.dataframe(table[shown], hide_index=True, width="stretch", column_config={
+st.dataframe(table[shown_columns], hide_index=True, width="stretch", column_config={
     "compression": st.column_config.NumberColumn("compression", format="%.2fx"),
     "kv_bytes": st.column_config.NumberColumn("KV bytes", format="%d"),
+    "accuracy_ci": st.column_config.TextColumn("accuracy 95%"),
+    "agreement_ci": st.column_config.TextColumn("agreement 95%"),
+    "like_full": st.column_config.CheckboxColumn("like full", help="indistinguishable from full at this sample "
+                                                                    "size: its interval overlaps full's"),
     "open": st.column_config.LinkColumn("in Compare", display_text="open"),
     **{key: st.column_config.NumberColumn(MEASURES[key].label, format="%.3f") for key in report.frontiers},
 })
-st.caption("Open a point in Compare to see what it keeps and where its output parts from full's.")
+st.caption("Open a point in Compare to see what it keeps and where its output parts from full's"
+           + (" (on the sweep's first item; the grids above open every failure)." if on_items else "."))
 
 left, right = st.columns(2)
 left.download_button("Points as CSV", lambda: table.drop(columns=["open"]).to_csv(index=False), "kvviz-sweep.csv",

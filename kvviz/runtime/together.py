@@ -49,21 +49,25 @@ class SharedDecoder:
         self.shared_forwards = 0
         self.seconds = 0.0  # wall seconds spent in those steps (the bench splits a class's time with it)
 
-    def decode(self, group: DecodeGroup) -> None:
-        """Decode ``group`` in the running batch; return when it is finished (its ``error`` says whether it failed).
+    def decode(self, *groups: DecodeGroup) -> None:
+        """Decode ``groups`` in the running batch; return when all are finished (each one's ``error`` says whether
+        it failed). A study passes the groups of several prompts at once, so they share every forward.
 
-        A caller already holding the model's lock (a study running several comparisons under it) decodes its group
+        A caller already holding the model's lock (a study running several comparisons under it) decodes its groups
         alone: the batch's turn could not take the lock from it."""
+        def finished() -> bool:
+            return all(group.finished for group in groups)
+
         if self.lock.held():
-            while not group.finished:
-                self._timed_step([group])
+            while not finished():
+                self._timed_step([group for group in groups if not group.finished])
             return
         with self._changed:
-            self._groups.append(group)
+            self._groups.extend(groups)
         while True:
             with self._changed:
-                self._changed.wait_for(lambda: group.finished or not self._stepping)
-                if group.finished:
+                self._changed.wait_for(lambda: finished() or not self._stepping)
+                if finished():
                     return
                 self._stepping = True
             try:

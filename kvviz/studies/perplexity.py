@@ -21,6 +21,7 @@ from kvviz.cache.kvcache import KVCache
 from kvviz.cache.protocol import Decode
 from kvviz.engine.session import PromptSession, check_context
 from kvviz.methods import REGISTRY, SpecError, parse_spec
+from kvviz.runtime.batch import forward_rows
 from kvviz.runtime.invariance import rows_as_they_come
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.replay import forward_step
@@ -84,19 +85,26 @@ def _full_chunked(loaded: LoadedModel, token_ids: list[int], progress) -> tuple[
     return torch.cat(losses), cache.nbytes().total
 
 
-def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) -> tuple[torch.Tensor, int]:
-    """NLL of positions 1..N-1 feeding one token per step through the method's cache, and the cache's bytes."""
+def _streaming_cache(session: PromptSession, spec: str) -> KVCache:
+    """``spec``'s cache over the text's first token, ready to be fed the rest one token per step; SpecError for a
+    method that compresses a prompt once (it has nothing to do as tokens arrive) or cannot fork."""
     stack = parse_spec(spec)
     if stack.eviction is not None and stack.eviction.schedule.decode is Decode.NEVER:
         streaming = ", ".join(n for n, m in REGISTRY.items() if m.kind == "eviction" and n != "full"
                               and m.schedule.decode is not Decode.NEVER)
         raise SpecError(f"{stack.label} compresses a prompt once; streaming perplexity needs a policy applied as "
                         f"tokens arrive ({streaming})")
-    session = PromptSession(loaded, token_ids[:1])
     try:
-        cache = session.fork(stack, ledger=False)
+        return session.fork(stack, ledger=False)
     except SpecError as error:
         raise SpecError(f"{stack.label} cannot stream a text token by token: {error}") from None
+
+
+def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) -> tuple[torch.Tensor, int]:
+    """NLL of positions 1..N-1 feeding one token per step through the method's cache, and the cache's bytes."""
+    stack = parse_spec(spec)
+    session = PromptSession(loaded, token_ids[:1])
+    cache = _streaming_cache(session, spec)
     logits = session.prefill().last_logits
     losses = torch.empty(len(token_ids) - 1)
     total = len(token_ids) - 1
@@ -135,4 +143,67 @@ def streaming_perplexity(
     nll = float(scored.mean())
     return PerplexityResult(method=stack.label, tokens=scored.numel(), start=first, nll=nll, ppl=math.exp(nll),
                             per_token_nll=scored.tolist(), seconds=time.perf_counter() - started, exact=exact,
+                            kv_bytes=kv_bytes)
+
+
+def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: list[str],
+                           progress: Callable[[float, str], None] | None = None
+                           ) -> list[PerplexityResult | SpecError]:
+    """:func:`streaming_perplexity` of every SPEC at once: one forward per token feeds the token to every
+    method's cache, a row each (:func:`kvviz.runtime.batch.forward_rows`), instead of one method after another.
+    ``full`` is still evaluated in chunks. A SPEC that cannot stream, or whose row fails, gets its SpecError.
+
+    Each row equals its method streamed alone up to the last bits: a forward of several rows pads its linear
+    layers (:mod:`kvviz.runtime.invariance`), while :func:`streaming_perplexity` feeds one row unpadded."""
+    if len(token_ids) < 2:
+        raise ValueError("perplexity needs at least 2 tokens")
+    check_context(loaded, len(token_ids), room=0, what="the text")
+    started = time.perf_counter()
+    outcomes: list[PerplexityResult | SpecError | None] = [None] * len(specs)
+    streams: dict[int, KVCache] = {}
+    total = len(token_ids) - 1
+    with loaded.lock:
+        session = PromptSession(loaded, token_ids[:1])
+        for index, spec in enumerate(specs):
+            if parse_spec(spec).label == "full":
+                losses, kv_bytes = _full_chunked(loaded, token_ids, None)
+                outcomes[index] = _result("full", losses, kv_bytes, started, exact=False)
+                continue
+            try:
+                streams[index] = _streaming_cache(session, spec)
+            except SpecError as error:
+                outcomes[index] = error
+        first = -torch.log_softmax(session.prefill().last_logits.float(), dim=-1)[token_ids[1]].cpu()
+        losses = {index: torch.empty(total) for index in streams}
+        for loss in losses.values():
+            loss[0] = first
+        with torch.inference_mode():
+            for position in range(1, total):
+                alive = list(streams)
+                if not alive:
+                    break
+                logits, failures = forward_rows(loaded.model, [streams[i] for i in alive],
+                                                [token_ids[position]] * len(alive), [position] * len(alive),
+                                                [position] * len(alive), loaded.device)
+                nll = -torch.log_softmax(logits.float(), dim=-1)[:, token_ids[position + 1]].cpu()
+                for row, index in enumerate(alive):
+                    if row in failures:
+                        outcomes[index] = SpecError(f"{parse_spec(specs[index]).label} failed at token {position}: "
+                                                    f"{failures[row]}")
+                        del streams[index]
+                    else:
+                        losses[index][position] = nll[row]
+                if progress is not None and (position % 16 == 0 or position == total - 1):
+                    progress(position / total, f"token {position}/{total}, {len(streams)} methods together")
+    for index, cache in streams.items():
+        outcomes[index] = _result(parse_spec(specs[index]).label, losses[index], cache.nbytes().total, started,
+                                  exact=True)
+    return outcomes
+
+
+def _result(method: str, losses: torch.Tensor, kv_bytes: int, started: float, exact: bool) -> PerplexityResult:
+    """The perplexity of every position from 1 on (what a sweep scores)."""
+    nll = float(losses.mean())
+    return PerplexityResult(method=method, tokens=losses.numel(), start=1, nll=nll, ppl=math.exp(nll),
+                            per_token_nll=losses.tolist(), seconds=time.perf_counter() - started, exact=exact,
                             kv_bytes=kv_bytes)

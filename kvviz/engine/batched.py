@@ -1,0 +1,150 @@
+"""Many prompts, many configurations, one running batch: what a sweep over items or a prompt set runs.
+
+Each prompt is prefilled once and every configuration forks its cache from that prefill, as :func:`compare` does
+for one prompt. The prompts then decode in *waves*: every configuration of every prompt in a wave is a row of the
+same forward, one per step (:class:`kvviz.runtime.together.SharedDecoder`, which other users' runs may join). A wave
+holds as many prompts as fit under a row cap and a memory budget. Prompts that nobody's attention is recorded for
+(quantizers and fixed windows only) are prefilled together, several in one forward.
+
+Rows do exactly what they do alone (each its own cache; on a CPU the linear layers are padded to row counts that
+give every row the same numbers whatever shares its forward: :mod:`kvviz.runtime.invariance`), so each prompt's
+results equal :func:`compare` on that prompt alone.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from kvviz.engine.results import MethodResult
+from kvviz.engine.session import (
+    BOTH,
+    FORCED,
+    PromptSession,
+    capture_for,
+    decode_group,
+    fork_rows,
+    full_first,
+    group_results,
+)
+from kvviz.methods import MethodStack
+from kvviz.planning.memory import model_card
+from kvviz.runtime.batch import Row
+from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.prefix import prefill_together, prefix_cache_for
+from kvviz.runtime.replay import Progress
+from kvviz.runtime.together import PREFILL_TOKENS, shared_decoder
+
+# Rows one forward feeds at most. On the 2-core CPU a step's linear layers cost about the same for 12 rows as for
+# 96 (they are bound by reading the weights) while each row's attention and cache updates are paid per row; on an
+# accelerator rows are nearly free until memory runs out.
+MAX_ROWS = {"cpu": 96}
+MAX_ROWS_ACCELERATOR = 512
+CPU_MEMORY_SHARE = 0.25  # of the machine's memory a wave's caches may take on a CPU (half the free memory on a GPU)
+
+
+def memory_budget(device: str) -> int:
+    """Bytes a wave's caches may hold on ``device``."""
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return free // 2
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * CPU_MEMORY_SHARE)
+
+
+def waves(loaded: LoadedModel, lengths: Sequence[int], rows_per_prompt: int, max_new_tokens: int) -> list[range]:
+    """The prompts (by index, in order) of each wave: as many as the row cap and the memory budget allow, at least
+    one. A prompt's bytes are counted as if every row held its whole cache (eviction only ever holds less)."""
+    device = str(loaded.device)
+    cap = MAX_ROWS.get(device.split(":")[0], MAX_ROWS_ACCELERATOR) // max(1, rows_per_prompt)
+    budget = memory_budget(device)
+    card = model_card(loaded)
+    out, start, held = [], 0, 0
+    for index, length in enumerate(lengths):
+        size = card.stored_kv_bytes(length + max_new_tokens) * (rows_per_prompt + 1)  # the rows and the prefill
+        if index > start and (index - start >= max(1, cap) or held + size > budget):
+            out.append(range(start, index))
+            start, held = index, 0
+        held += size
+    if start < len(lengths):
+        out.append(range(start, len(lengths)))
+    return out
+
+
+def _prefill(loaded: LoadedModel, sessions: list[PromptSession], stacks: list[MethodStack]) -> None:
+    """Prefill every session for ``stacks``: with nothing to record, prompts that fit share forwards."""
+    capture = capture_for(stacks)
+    if capture is not None:
+        for session in sessions:
+            session.prefill(capture)
+        return
+    prefix = prefix_cache_for(loaded) if sessions and sessions[0].reuse_prefix else None
+    pending = sorted(sessions, key=lambda s: len(s.prompt_ids))
+    while pending:
+        taken = [pending.pop(0)]
+        while pending and len(pending[0].prompt_ids) * (len(taken) + 1) <= PREFILL_TOKENS:
+            taken.append(pending.pop(0))
+        for session, run in zip(taken, prefill_together(loaded, [s.prompt_ids for s in taken], prefix),
+                                strict=True):
+            if isinstance(run, BaseException):
+                raise run
+            session.adopt(run)
+
+
+def decode_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], specs: list[str], max_new_tokens: int,
+                   mode: str, progress: Progress | None = None, reuse_prefix: bool = True) -> list[list[MethodResult]]:
+    """Every SPEC on every prompt (``full`` first, added if missing): per prompt, one result per configuration.
+
+    ``mode`` says how the rows after full decode (:data:`kvviz.engine.session.FREE`, ``FORCED`` or ``BOTH``).
+    SpecError or PromptError before any model work; a configuration that fails on a prompt is that result's
+    ``error``, and the others go on.
+    """
+    stacks = full_first(specs)
+    sessions_of = [PromptSession(loaded, list(ids), reuse_prefix) for ids in prompts]  # PromptError first
+    rows_per_prompt = len(stacks) * (2 if mode == BOTH else 1)  # BOTH: a teacher-forced twin per row at most
+    planned = waves(loaded, [len(ids) for ids in prompts], rows_per_prompt, max_new_tokens)
+    results: list[list[MethodResult]] = []
+    for number, wave in enumerate(planned):
+        def report(fraction: float, message: str, number: int = number, wave: range = wave) -> None:
+            if progress is not None:
+                progress((number + fraction) / len(planned),
+                         f"prompts {wave.start + 1}-{wave.stop} of {len(prompts)}: {message}")
+
+        sessions = [sessions_of[index] for index in wave]
+        with loaded.lock:  # released before the decode: the running batch takes it step by step
+            report(0.0, "prefilling")
+            _prefill(loaded, sessions, stacks)
+            rows = [fork_rows(session, stacks) for session in sessions]
+        groups = [decode_group(session, prompt_rows, max_new_tokens, mode, progress=report if index == 0 else None)
+                  for index, (session, prompt_rows) in enumerate(zip(sessions, rows, strict=True))]
+        shared_decoder(loaded).decode(*groups)
+        for group in groups:
+            if group.error is not None:  # cancelled, or the forward ran out of memory
+                raise group.error
+        results += [group_results(session, prompt_rows, mode)
+                    for session, prompt_rows in zip(sessions, rows, strict=True)]
+        _release(rows)
+    if progress is not None:
+        progress(1.0, "done")
+    return results
+
+
+def _release(rows: list[list[Row]]) -> None:
+    """Drop a finished wave's caches before the next wave allocates its own (results keep bytes and ledgers)."""
+    for prompt_rows in rows:
+        for row in prompt_rows:
+            row.cache = None
+            if row.twin is not None:
+                row.twin.cache = None
+
+
+def teacher_forced(loaded: LoadedModel, prompt_ids: list[int], specs: list[str], max_new_tokens: int = 64,
+                   progress: Progress | None = None, reuse_prefix: bool = True) -> list[MethodResult]:
+    """Full free-running (greedy) and every other SPEC teacher-forced on full's tokens from the first step, all in
+    one batch after one shared prefill: what a sweep measures on one prompt (no method's own continuation).
+
+    Each result's agreement, KL and first divergence equal :func:`compare`'s for that SPEC; its text and tokens
+    are full's, its bytes and ledger those of a cache fed full's tokens. ``full`` comes first (added if missing).
+    """
+    return decode_prompts(loaded, [prompt_ids], specs, max_new_tokens, FORCED, progress, reuse_prefix)[0]

@@ -1,0 +1,163 @@
+"""The Trade-offs page's figures: quality against compression with each point's interval, the frontier and each
+family's cliff; and, for task items, one outcome grid per family (items x budgets, each failure's cause)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from kvviz.studies.frontier import LIKE_FULL, MEASURES
+from kvviz.studies.sweep import SweepPoint, SweepReport
+
+OUTCOME_COLORS = {"correct": "#2e7d32", "evicted": "#c62828", "quantization": "#ef6c00", "not evicted": "#6a1b9a"}
+OUTCOME_LABELS = {"correct": "right", "evicted": "wrong: a planted span it needed was evicted",
+                  "quantization": "wrong: nothing planted evicted, the stack quantizes",
+                  "not evicted": "wrong: every planted span stayed"}
+
+
+def budget_label(point: SweepPoint) -> str:
+    """A grid column's name: the budget as a share of full and the compression reached."""
+    share = "fixed" if point.budget is None else (f"1/{round(1 / point.budget)}" if round(1 / point.budget)
+                                                  * point.budget == 1 else f"{point.budget:.0%}")
+    return f"{share} · {point.compression:.1f}x" if point.compression else share
+
+
+def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
+    """Quality (``measure_key``) against how many times smaller than full, log scale, one line per family. Points
+    carry their 95% interval as error bars; hollow markers are indistinguishable from full at this sample size; a
+    star marks each family's cliff; full's interval is a grey band; the frontier is drawn over the lines. For a prompt
+    set, each family's worst prompt is a dotted line under its mean."""
+    measure = MEASURES[measure_key]
+    points = [p for p in report.points if p.error is None and p.compression is not None
+              and getattr(p, measure_key) is not None]
+    figure = go.Figure()
+    if not points:
+        return figure
+    full = next((p for p in points if p.spec == "full"), None)
+    interval = measure.interval
+    if full is not None and interval and getattr(full, interval):
+        low, high = getattr(full, interval)
+        figure.add_hrect(y0=low, y1=high, fillcolor="rgba(120, 120, 120, 0.15)", line_width=0,
+                         annotation_text="full's 95% interval", annotation_position="bottom left")
+    frontier = sorted((p for p in points if p.spec in report.frontiers.get(measure_key, [])),
+                      key=lambda p: p.compression)
+    figure.add_trace(go.Scatter(x=[p.compression for p in frontier], y=[getattr(p, measure_key) for p in frontier],
+                                name="frontier", mode="lines", hoverinfo="skip",  # first: under the families' lines
+                                line={"color": "rgba(0, 0, 0, 0.18)", "width": 10}))
+    cliffs = {c.spec for c in report.cliffs.values() if c is not None and c.spec}
+    families = list(dict.fromkeys(p.family for p in points))
+    for family in families:
+        members = sorted((p for p in points if p.family == family),
+                         key=lambda p: (p.budget if p.budget is not None else 0, p.compression))
+        values = [getattr(p, measure_key) for p in members]
+        bounds = [getattr(p, interval) if interval else None for p in members]
+        error = None
+        if any(b is not None for b in bounds):
+            error = {"type": "data", "symmetric": False, "thickness": 1.2, "width": 4,
+                     "array": [0 if b is None else b[1] - v for b, v in zip(bounds, values, strict=True)],
+                     "arrayminus": [0 if b is None else v - b[0] for b, v in zip(bounds, values, strict=True)]}
+        symbols = ["star" if p.spec in cliffs else ("circle-open" if p.like_full else "circle") for p in members]
+        hover = [_hover(p, measure_key) for p in members]
+        figure.add_trace(go.Scatter(
+            x=[p.compression for p in members], y=values, name=family, legendgroup=family, mode="lines+markers",
+            error_y=error, marker={"symbol": symbols, "size": [15 if p.spec in cliffs else 9 for p in members],
+                                   "line": {"width": 2}},
+            hovertext=hover, hoverinfo="text"))
+        worst = [p.worst_prompt_agreement for p in members]
+        if measure_key == "agreement_with_full" and all(w is not None for w in worst):
+            figure.add_trace(go.Scatter(
+                x=[p.compression for p in members], y=worst, name=f"{family}: worst prompt", legendgroup=family,
+                mode="lines+markers", line={"dash": "dot", "width": 1}, marker={"symbol": "x", "size": 6},
+                opacity=0.6, hovertext=[f"<b>{p.spec}</b><br>worst prompt {w:.0%}" for p, w in
+                                        zip(members, worst, strict=True)], hoverinfo="text"))
+    if interval and any(p.like_full is not None for p in points):
+        for symbol, name in (("circle-open", LIKE_FULL), ("star", "cliff: the most compressed point still "
+                                                                   "indistinguishable from full")):
+            figure.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+                                        marker={"symbol": symbol, "size": 10, "color": "black"}))
+    top = max(p.compression for p in points)
+    ticks = [2.0 ** k for k in range(0, 1 + math.ceil(math.log2(max(2.0, top))))]
+    figure.update_xaxes(type="log", title="compression (times smaller than full, log scale)", tickvals=ticks,
+                        ticktext=[f"{t:g}x" for t in ticks])
+    figure.update_yaxes(title=measure.label + ("" if measure.higher_is_better else " (lower is better)"),
+                        tickformat=".0%" if measure.percent else None)
+    figure.update_layout(title=f"{measure.label.capitalize()} against memory: {report.workload}",
+                         legend_title="family", hovermode="closest", height=520)
+    return figure
+
+
+def _hover(point: SweepPoint, measure_key: str) -> str:
+    measure = MEASURES[measure_key]
+    value = getattr(point, measure_key)
+    bound = getattr(point, measure.interval) if measure.interval else None
+    lines = [f"<b>{point.spec}</b>", f"{point.compression:.2f}x smaller than full · {point.kv_bytes:,} B",
+             f"{measure.label} {measure.with_interval(value, bound)}"]
+    if point.items_scored:
+        lines.append(f"{point.items_scored} scored")
+    if point.like_full:
+        lines.append(LIKE_FULL)
+    return "<br>".join(lines)
+
+
+def outcome_cells(report: SweepReport, family: str) -> pd.DataFrame:
+    """One row per (item, point) of ``family``: the item, the point's SPEC and budget label, the outcome (``correct``
+    or a failure's cause), the output and the planted spans its cache evicted (with how many layers did)."""
+    members = sorted((p for p in report.points if p.family == family and p.error is None and p.outcomes),
+                     key=lambda p: (p.budget if p.budget is not None else 0, p.compression or 0))
+    rows = []
+    for point in members:
+        for outcome in point.outcomes:
+            evicted = ", ".join(f"{label} ({layers} layer{'s' if layers != 1 else ''})"
+                                for label, layers in outcome.evicted.items())
+            rows.append({"item": outcome.item, "spec": point.spec, "budget": budget_label(point),
+                         "outcome": "correct" if outcome.correct else outcome.cause or "not evicted",
+                         "answer": outcome.answer, "evicted": evicted})
+    return pd.DataFrame(rows, columns=["item", "spec", "budget", "outcome", "answer", "evicted"])
+
+
+def outcome_grid(cells: pd.DataFrame, family: str) -> go.Figure:
+    """``family``'s outcomes as a grid, items down and budgets across, coloured by outcome (hover: the answer and
+    what was evicted, in how many layers)."""
+    kinds = list(OUTCOME_COLORS)
+    codes = {kind: index for index, kind in enumerate(kinds)}
+    items = list(dict.fromkeys(cells["item"]))
+    budgets = list(dict.fromkeys(cells["budget"]))
+    table = cells.set_index(["item", "budget"])
+    z, text = [], []
+    for item in items:
+        z.append([codes.get(table.loc[(item, b), "outcome"], None) if (item, b) in table.index else None
+                  for b in budgets])
+        text.append([_cell_text(table.loc[(item, b)]) if (item, b) in table.index else "" for b in budgets])
+    steps = len(kinds)
+    scale = []
+    for index, kind in enumerate(kinds):  # a stepped scale: each code its own colour
+        scale += [[index / steps, OUTCOME_COLORS[kind]], [(index + 1) / steps, OUTCOME_COLORS[kind]]]
+    figure = go.Figure(go.Heatmap(z=z, x=budgets, y=items, zmin=-0.5, zmax=steps - 0.5, colorscale=scale,
+                                  showscale=False, hovertext=text, hoverinfo="text", xgap=2, ygap=1))
+    for kind in kinds:  # a legend for the colours
+        figure.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=OUTCOME_LABELS[kind],
+                                    marker={"symbol": "square", "size": 12, "color": OUTCOME_COLORS[kind]}))
+    figure.update_yaxes(autorange="reversed", title="item (task:length:depth:trial)", type="category")
+    figure.update_xaxes(title="budget · compression", type="category", side="top")
+    figure.update_layout(title=f"{family}: every item at every budget", height=max(320, 22 * len(items) + 160),
+                         legend={"orientation": "h", "y": -0.08}, margin={"t": 110})
+    return figure
+
+
+def _cell_text(row: pd.Series) -> str:
+    lines = [f"<b>{row.name[0] if isinstance(row.name, tuple) else ''}</b>", row["spec"],
+             OUTCOME_LABELS.get(row["outcome"], row["outcome"]), f"answer: {row['answer'][:60]}"]
+    if row["evicted"]:
+        lines.append(f"evicted: {row['evicted']}")
+    return "<br>".join(lines)
+
+
+def prompt_outcomes(report: SweepReport) -> pd.DataFrame:
+    """A prompt set's agreement with full per prompt (rows) and configuration (columns), the prompts the worst
+    configuration serves least well first."""
+    columns = {p.spec: {o.item: o.agreement for o in p.outcomes} for p in report.points[1:]
+               if p.error is None and p.outcomes}
+    table = pd.DataFrame(columns)
+    return table.loc[table.min(axis=1).sort_values().index] if not table.empty else table
