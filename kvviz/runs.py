@@ -26,8 +26,8 @@ from kvviz.engine.results import Comparison
 from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel, cache_dir
-from kvviz.runtime.prefix import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.needle import NeedleReport, run_needle_grid
+from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
 from kvviz.studies.sweep import (
     DEFAULT_BUDGETS,

@@ -7,7 +7,7 @@ import time
 from kvviz.engine.session import PromptSession, compare
 from kvviz.methods import parse_spec
 from kvviz.methods.window import Window
-from kvviz.runtime import prefix
+from kvviz.runtime import prefill
 from kvviz.runtime.batch import DecodeGroup, Row
 from kvviz.runtime.replay import Sampling
 from kvviz.runtime.together import shared_decoder, shared_prefill
@@ -128,7 +128,7 @@ def test_a_shared_prefill_that_fails_fails_every_run_in_it(tiny_model, story_ids
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("simulated: out of memory")
 
-    monkeypatch.setattr(prefix, "prefill_rows", out_of_memory)
+    monkeypatch.setattr(prefill, "prefill_rows", out_of_memory)
     runs = [dict(prompt_ids=story_ids[i:i + 20], specs=["window:window=8"], max_new_tokens=3) for i in (0, 30)]
     outcomes = together(tiny_model, runs)
     assert [str(outcome) for outcome in outcomes] == ["simulated: out of memory"] * 2

@@ -28,7 +28,7 @@ from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.batch import ROW_ERRORS, DecodeGroup, Row
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.prefix import prefill_with_prefix, prefix_cache_for, reusable_tokens
+from kvviz.runtime.prefill import prefill_with_prefix, prefix_cache_for, reusable_tokens
 from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
 from kvviz.runtime.together import shared_decoder, shared_prefill
 

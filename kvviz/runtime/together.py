@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from kvviz.runtime.batch import DecodeGroup, step_groups
-from kvviz.runtime.prefix import PrefixPrefill, prefill_together, prefix_cache_for
+from kvviz.runtime.prefill import PrefixPrefill, prefill_together, prefix_cache_for
 from kvviz.runtime.turns import FairLock
 
 RUNS_TOGETHER = 8  # runs a server admits into one running batch at once; each holds its caches while it decodes

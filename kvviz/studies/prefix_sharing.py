@@ -25,7 +25,7 @@ from kvviz.engine.metrics import forced_comparison
 from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.prefix import prefill_with_prefix, prefix_cache_for
+from kvviz.runtime.prefill import prefill_with_prefix, prefix_cache_for
 from kvviz.runtime.replay import Progress, decode, eos_token_ids
 from kvviz.studies.needle import MODES
 
