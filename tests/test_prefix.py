@@ -9,7 +9,7 @@ import torch
 
 from kvviz.cache.capture import CaptureConfig
 from kvviz.engine.session import PromptSession, compare
-from kvviz.runtime.prefill import prefill_together, prefill_with_prefix, prefix_cache_for, reusable_tokens
+from kvviz.runtime.prefill import prefill_together, prefill_with_prefix, reusable_tokens
 from kvviz.runtime.prefix import PrefixCache, block_hashes
 
 
@@ -88,10 +88,10 @@ def test_reusable_tokens_follow_what_the_capture_reads():
 def test_reused_prefill_equals_fresh_prefill(tiny_model, story_ids):
     cache = PrefixCache(block_tokens=16)
     preamble = story_ids[:100]
-    prefill_with_prefix(tiny_model, preamble + story_ids[150:160], cache)
+    prefill_with_prefix(tiny_model.model, "cpu", preamble + story_ids[150:160], cache)
     prompt = preamble + story_ids[200:230]
-    reused = prefill_with_prefix(tiny_model, prompt, cache)
-    fresh = prefill_with_prefix(tiny_model, prompt, None)
+    reused = prefill_with_prefix(tiny_model.model, "cpu", prompt, cache)
+    fresh = prefill_with_prefix(tiny_model.model, "cpu", prompt, None)
     assert reused.lookup.reused_tokens == 96
     assert torch.allclose(reused.last_logits, fresh.last_logits, atol=1e-4)
     for a, b in zip(reused.cache.layers, fresh.cache.layers, strict=True):
@@ -101,12 +101,12 @@ def test_reused_prefill_equals_fresh_prefill(tiny_model, story_ids):
 
 def test_prompts_prefilled_together_equal_each_prefilled_alone(tiny_model, story_ids):
     cache = PrefixCache(block_tokens=16)
-    prefill_with_prefix(tiny_model, story_ids[:40], cache)  # the third prompt reuses its first two blocks
+    prefill_with_prefix(tiny_model.model, "cpu", story_ids[:40], cache)  # the third prompt reuses its first two blocks
     prompts = [story_ids[:23], story_ids[50:90], story_ids[:37], story_ids[100:101]]
-    together = prefill_together(tiny_model, prompts, cache)
+    together = prefill_together(tiny_model.model, "cpu", prompts, cache)
     assert [run.lookup.reused_tokens for run in together] == [16, 0, 32, 0]
     for prompt, run in zip(prompts, together, strict=True):
-        alone = prefill_with_prefix(tiny_model, prompt, cache, store=False)
+        alone = prefill_with_prefix(tiny_model.model, "cpu", prompt, cache, store=False)
         assert torch.allclose(run.last_logits, alone.last_logits, atol=1e-5)
         assert run.cache.prompt_length == len(prompt)
         for ours, theirs in zip(run.cache.layers, alone.cache.layers, strict=True):
@@ -146,14 +146,14 @@ def test_compare_reuses_the_prefix_and_gives_the_same_tokens(tiny_model, story_i
 
 
 def test_model_prefix_cache_is_shared_and_safe_across_threads(tiny_model, story_ids):
-    prefix = prefix_cache_for(tiny_model)
-    assert prefix_cache_for(tiny_model) is prefix
+    prefix = tiny_model.prefix_cache
     errors: list[BaseException] = []
 
     def worker(offset: int) -> None:
+        prompt = story_ids[:48] + story_ids[60 + offset:70 + offset]
         try:
             with tiny_model.lock:
-                prefill_with_prefix(tiny_model, story_ids[:48] + story_ids[60 + offset:70 + offset], prefix)
+                prefill_with_prefix(tiny_model.model, "cpu", prompt, prefix)
         except BaseException as error:  # noqa: BLE001 - reported by the assertion below
             errors.append(error)
 
@@ -164,6 +164,8 @@ def test_model_prefix_cache_is_shared_and_safe_across_threads(tiny_model, story_
         thread.join()
     assert not errors
     assert prefix.nbytes == sum(block.nbytes for block in prefix._blocks.values())
+    reusing = PromptSession(tiny_model, story_ids[:48] + [7], reuse_prefix=True)
+    assert reusing.prefill().reused_tokens == 48, "every run on the model reads the blocks the others stored"
 
 
 def test_capture_over_every_query_prefills_the_whole_prompt(tiny_model, story_ids):

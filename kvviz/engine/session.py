@@ -28,9 +28,8 @@ from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.batch import ROW_ERRORS, DecodeGroup, Row
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.prefill import prefill_with_prefix, prefix_cache_for, reusable_tokens
+from kvviz.runtime.prefill import prefill_with_prefix, reusable_tokens
 from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
-from kvviz.runtime.together import shared_decoder, shared_prefill
 
 
 class PromptError(ValueError):
@@ -111,8 +110,8 @@ class PromptSession:
         inputs = (recording_layer_inputs(self.loaded.model, recorder.stats.layer_inputs)
                   if capture is not None and capture.layer_inputs else contextlib.nullcontext())
         with listening(*([recorder] if recorder else [])), inputs:
-            run = prefill_with_prefix(self.loaded, self.prompt_ids,
-                                      prefix_cache_for(self.loaded) if self.reuse_prefix else None, limit)
+            run = prefill_with_prefix(self.loaded.model, self.loaded.device, self.prompt_ids,
+                                      self.loaded.prefix_cache if self.reuse_prefix else None, limit)
         self._prefill = Prefill(run.cache, run.last_logits, recorder.finish() if recorder else None, run.seconds,
                                 run.lookup.reused_tokens)
         self._capture = capture
@@ -121,7 +120,7 @@ class PromptSession:
     def prefill_shared(self) -> None:
         """Prefill the prompt in the model's shared prefill, in one forward with other runs' prompts waiting then
         (:class:`kvviz.runtime.together.SharedPrefill`); for a prompt nobody records, called without the lock."""
-        run = shared_prefill(self.loaded).prefill(self.prompt_ids, self.reuse_prefix)
+        run = self.loaded.prefills.prefill(self.prompt_ids, self.reuse_prefix)
         self._prefill = Prefill(run.cache, run.last_logits, None, run.seconds, run.lookup.reused_tokens)
         self._capture = None
 
@@ -297,7 +296,7 @@ def teacher_forced(loaded: LoadedModel, prompt_ids: list[int], specs: list[str],
         row.follows = full
     report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
     group = DecodeGroup(rows, max_new_tokens, session.eos_ids, keep_logprobs=True, progress=report)
-    shared_decoder(loaded).decode(group)
+    loaded.decoder.decode(group)
     if group.error is not None:
         raise group.error
     results = []
@@ -319,7 +318,7 @@ def _decode_rows(session: PromptSession, rows: list[Row], max_new_tokens: int, s
     report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
     group = DecodeGroup(rows, max_new_tokens, session.eos_ids, sampling, keep_logprobs=True, progress=report,
                         reference=full)
-    shared_decoder(session.loaded).decode(group)
+    session.loaded.decoder.decode(group)
     if group.error is not None:  # this run's step failed (cancelled, or the forward ran out of memory)
         raise group.error
     reference_ok = full is not None and full.error is None

@@ -15,12 +15,15 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 
+from kvviz.runtime.faults import ModelError
+from kvviz.runtime.prefix import PrefixCache
+from kvviz.runtime.together import SharedDecoder, SharedPrefill
 from kvviz.runtime.turns import FairLock
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -29,10 +32,6 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_CHECKPOINT_VERSION = "v1"  # bump when the conversion changes, so stale copies are rebuilt
 WEIGHT_MODES = ("auto", "int8", "nf4")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class ModelError(ValueError):
-    """A model that cannot be loaded, with a message meant for the user."""
 
 
 def cache_dir() -> Path:
@@ -200,7 +199,10 @@ def resolve_source(name: str) -> tuple[str, bool]:
 
 @dataclass
 class LoadedModel:
-    """A model ready for kvviz: weights, tokenizer and where they live. ``lock`` serialises runs on it."""
+    """A model ready for kvviz (weights, tokenizer and where they live) and the objects every run on it shares, built
+    once with it: ``lock`` serialises runs on it, handed out in arrival order (a prefill goes in between two steps of
+    a decoding batch); ``prefix_cache`` holds its prefilled blocks (:mod:`kvviz.runtime.prefix`); ``decoder`` is its
+    running batch and ``prefills`` its shared prefill (:mod:`kvviz.runtime.together`)."""
 
     name: str
     model: torch.nn.Module
@@ -209,9 +211,14 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "auto"
     row_counts: tuple[int, ...] | None = None  # what linear layers pad their rows to (kvviz.runtime.invariance)
+    lock: FairLock = field(default_factory=FairLock, init=False, repr=False, compare=False)
+    prefix_cache: PrefixCache = field(default_factory=PrefixCache, init=False, repr=False, compare=False)
+    decoder: SharedDecoder = field(init=False, repr=False, compare=False)
+    prefills: SharedPrefill = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.lock = FairLock()  # in arrival order: a prefill goes in between two steps of a decoding batch
+        self.decoder = SharedDecoder(self.model, self.device, self.lock)
+        self.prefills = SharedPrefill(self.model, self.device, self.lock, self.prefix_cache)
 
     @property
     def config(self):

@@ -19,7 +19,6 @@ import torch
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.kvcache import KVCache
 from kvviz.runtime.batch import prefill_rows
-from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefix import BLOCK_TOKENS, PrefixCache, PrefixLookup
 from kvviz.runtime.replay import forward_step
 
@@ -34,16 +33,6 @@ def reusable_tokens(capture: CaptureConfig | None, prompt_length: int) -> int:
         return 0
     window = capture.window_rows if capture is not None else 0
     return max(0, prompt_length - max(1, window))
-
-
-def prefix_cache_for(loaded: LoadedModel) -> PrefixCache:
-    """The prefix cache shared by every run on ``loaded`` (made on first use)."""
-    with loaded.lock:
-        cache = getattr(loaded, "prefix_cache", None)
-        if cache is None:
-            cache = PrefixCache()
-            loaded.prefix_cache = cache
-        return cache
 
 
 @dataclass
@@ -73,43 +62,43 @@ def _seeded(prefix: PrefixCache | None, token_ids: list[int], limit: int | None,
     return lookup, cache
 
 
-def prefill_with_prefix(loaded: LoadedModel, token_ids: list[int], prefix: PrefixCache | None,
+def prefill_with_prefix(model: torch.nn.Module, device: str, token_ids: list[int], prefix: PrefixCache | None,
                         limit: int | None = None, store: bool = True) -> PrefixPrefill:
-    """Prefill ``token_ids``, reusing ``prefix``'s longest block prefix (within ``limit`` tokens) and feeding only
-    the rest; store the new whole blocks after. ``prefix=None`` is a fresh prefill (every block a miss).
+    """Prefill ``token_ids`` on ``model``, reusing ``prefix``'s longest block prefix (within ``limit`` tokens) and
+    feeding only the rest; store the new whole blocks after. ``prefix=None`` is a fresh prefill (every block a miss).
 
     Attention listeners active around the call see the fed tokens' queries only (see :func:`reusable_tokens`).
     """
-    _sync(loaded.device)
+    _sync(device)
     started = time.perf_counter()
-    lookup, cache = _seeded(prefix, token_ids, limit, loaded.config.num_hidden_layers)
+    lookup, cache = _seeded(prefix, token_ids, limit, model.config.num_hidden_layers)
     start = lookup.reused_tokens
     with torch.inference_mode():
-        logits = forward_step(loaded.model, cache, token_ids[start:], start, 0, loaded.device)
-    _sync(loaded.device)
+        logits = forward_step(model, cache, token_ids[start:], start, 0, device)
+    _sync(device)
     seconds = time.perf_counter() - started
     if prefix is not None and store:
         prefix.store(token_ids, cache)
     return PrefixPrefill(cache, logits, lookup, seconds)
 
 
-def prefill_together(loaded: LoadedModel, prompts: list[list[int]],
+def prefill_together(model: torch.nn.Module, device: str, prompts: list[list[int]],
                      prefix: PrefixCache | None) -> list[PrefixPrefill | BaseException]:
     """Several runs' prompts in one forward (:func:`kvviz.runtime.batch.prefill_rows`), each reusing its own longest
     cached prefix and storing its new blocks after, as :func:`prefill_with_prefix` does alone; nobody listens to
     their attention. Each result's ``seconds`` is the whole forward's, which is how long each prompt waited for its
     first token. A row that failed gets its error in place of its prefill."""
     if len(prompts) == 1:
-        return [prefill_with_prefix(loaded, prompts[0], prefix)]
-    _sync(loaded.device)
+        return [prefill_with_prefix(model, device, prompts[0], prefix)]
+    _sync(device)
     started = time.perf_counter()
-    seeded = [_seeded(prefix, tokens, None, loaded.config.num_hidden_layers) for tokens in prompts]
+    seeded = [_seeded(prefix, tokens, None, model.config.num_hidden_layers) for tokens in prompts]
     starts = [lookup.reused_tokens for lookup, _ in seeded]
     caches = [cache for _, cache in seeded]
     with torch.inference_mode():
-        logits, failures = prefill_rows(loaded.model, caches, [t[s:] for t, s in zip(prompts, starts, strict=True)],
-                                        starts, loaded.device)
-    _sync(loaded.device)
+        logits, failures = prefill_rows(model, caches, [t[s:] for t, s in zip(prompts, starts, strict=True)], starts,
+                                        device)
+    _sync(device)
     seconds = time.perf_counter() - started
     results: list[PrefixPrefill | BaseException] = []
     for index, (tokens, (lookup, cache)) in enumerate(zip(prompts, seeded, strict=True)):

@@ -105,7 +105,8 @@ def run_turns(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] |
     reused logits compared with the fresh ones. Hold ``loaded.lock`` or call from one thread per model."""
     prefix = PrefixCache(block_tokens=block_tokens, budget_bytes=2**62)
     report = ReuseReport(block_tokens)
-    prefill_with_prefix(loaded, prompts[0][:block_tokens], None)  # warm-up: the first forward pays one-off costs
+    # warm-up: the first forward pays one-off costs
+    prefill_with_prefix(loaded.model, loaded.device, prompts[0][:block_tokens], None)
     labels = labels or [f"turn {i + 1}" for i in range(len(prompts))]
     for turn, (label, ids) in enumerate(zip(labels, prompts, strict=True)):
         if progress is not None:
@@ -113,9 +114,9 @@ def run_turns(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] |
         fresh_times, reused_times = [], []
         fresh = reused = None
         for _ in range(max(1, repeats)):  # repeats reuse the same blocks: nothing is stored until the turn ends
-            fresh = prefill_with_prefix(loaded, ids, None)
+            fresh = prefill_with_prefix(loaded.model, loaded.device, ids, None)
             fresh_times.append(fresh.seconds)
-            reused = prefill_with_prefix(loaded, ids, prefix, store=False)
+            reused = prefill_with_prefix(loaded.model, loaded.device, ids, prefix, store=False)
             reused_times.append(reused.seconds)
         prefix.store(ids, reused.cache)
         diff = float((reused.last_logits.float() - fresh.last_logits.float()).abs().max())
@@ -143,6 +144,6 @@ def context_cost(loaded: LoadedModel, token_ids: list[int], lengths: list[int], 
         if progress is not None:
             progress(index / len(lengths), f"prefill of {length} tokens")
         ids = (token_ids * (length // max(1, len(token_ids)) + 1))[:length]
-        run = prefill_with_prefix(loaded, ids, None)
+        run = prefill_with_prefix(loaded.model, loaded.device, ids, None)
         costs.append(LengthCost(length, run.seconds, run.cache.nbytes().total))
     return costs
