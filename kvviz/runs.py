@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvviz.cache.attention import listening
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.stats import AttentionStats
 from kvviz.engine.results import Comparison
@@ -112,8 +111,8 @@ class AttentionRequest(RunRequest):
                                matrix_size=MATRIX_SIZE,
                                received_layers=None if self.every_layer else (self.layer,))
         listeners = [_LayerProgress(card.layers, progress)] if progress is not None else []
-        with loaded.lock, listening(*listeners):
-            return PromptSession(loaded, list(self.prompt_ids)).prefill(config).stats
+        with loaded.lock:
+            return PromptSession(loaded, list(self.prompt_ids)).prefill(config, listeners).stats
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvviz.cache.architecture import ArchitectureStorage, axis_factors
-from kvviz.cache.attention import listened, listening
+from kvviz.cache.attention import AttentionListener
 from kvviz.cache.capture import CaptureConfig, recording_layer_inputs
 from kvviz.cache.kvcache import KVCache
 from kvviz.cache.ledger import EvictionLedger
@@ -100,8 +101,9 @@ class PromptSession:
     def num_layers(self) -> int:
         return self.card.layers
 
-    def prefill(self, capture: CaptureConfig | None = None) -> Prefill:
-        """Run the prompt once into a dense cache; reuse it while the capture asked for is covered."""
+    def prefill(self, capture: CaptureConfig | None = None, listeners: Sequence[AttentionListener] = ()) -> Prefill:
+        """Run the prompt once into a dense cache; reuse it while the capture asked for is covered. ``listeners``
+        see the prompt's attention beside the capture's recorder (when it runs)."""
         covered = capture is None or (self._capture is not None and self._capture.covers(capture))
         if self._prefill is not None and covered:
             return self._prefill
@@ -109,9 +111,10 @@ class PromptSession:
         recorder = StatsRecorder(capture, len(self.prompt_ids)) if capture is not None else None
         inputs = (recording_layer_inputs(self.loaded.model, recorder.stats.layer_inputs)
                   if capture is not None and capture.layer_inputs else contextlib.nullcontext())
-        with listening(*([recorder] if recorder else [])), inputs:
+        with inputs:
             run = prefill_with_prefix(self.loaded.model, self.loaded.device, self.prompt_ids,
-                                      self.loaded.prefix_cache if self.reuse_prefix else None, limit)
+                                      self.loaded.prefix_cache if self.reuse_prefix else None, limit,
+                                      listeners=[*listeners, *([recorder] if recorder else [])])
         self._prefill = Prefill(run.cache, run.last_logits, recorder.finish() if recorder else None, run.seconds,
                                 run.lookup.reused_tokens)
         self._capture = capture
@@ -232,7 +235,7 @@ def compare(
     stacks.sort(key=lambda s: s.label != "full")
     capture = capture_for(stacks)  # one capture serves every method: forks never re-prefill
     session = PromptSession(loaded, prompt_ids, reuse_prefix)
-    if capture is None and not listened():  # nothing records the prompt: it may share a forward with others'
+    if capture is None:  # nothing records the prompt: it may share a forward with others'
         session.prefill_shared()
     with loaded.lock:  # released before a batched decode: the running batch takes it step by step
         prefill = session.prefill(capture)

@@ -12,10 +12,12 @@ prefill the whole prompt (:func:`reusable_tokens` says 0).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvviz.cache.attention import AttentionListener
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.kvcache import KVCache
 from kvviz.runtime.batch import prefill_rows
@@ -63,18 +65,19 @@ def _seeded(prefix: PrefixCache | None, token_ids: list[int], limit: int | None,
 
 
 def prefill_with_prefix(model: torch.nn.Module, device: str, token_ids: list[int], prefix: PrefixCache | None,
-                        limit: int | None = None, store: bool = True) -> PrefixPrefill:
+                        limit: int | None = None, store: bool = True,
+                        listeners: Sequence[AttentionListener] = ()) -> PrefixPrefill:
     """Prefill ``token_ids`` on ``model``, reusing ``prefix``'s longest block prefix (within ``limit`` tokens) and
     feeding only the rest; store the new whole blocks after. ``prefix=None`` is a fresh prefill (every block a miss).
 
-    Attention listeners active around the call see the fed tokens' queries only (see :func:`reusable_tokens`).
+    ``listeners`` see the fed tokens' queries only (see :func:`reusable_tokens`).
     """
     _sync(device)
     started = time.perf_counter()
     lookup, cache = _seeded(prefix, token_ids, limit, model.config.num_hidden_layers)
     start = lookup.reused_tokens
     with torch.inference_mode():
-        logits = forward_step(model, cache, token_ids[start:], start, 0, device)
+        logits = forward_step(model, cache, token_ids[start:], start, 0, device, listeners)
     _sync(device)
     seconds = time.perf_counter() - started
     if prefix is not None and store:

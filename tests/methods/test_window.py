@@ -5,26 +5,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvviz.cache.attention import listening
 from kvviz.engine.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runtime.replay import forward_step
 
 
-def step_through(loaded, prompt_ids: list[int], spec: str, steps: int, after_step=None, listeners=()):
+def step_through(loaded, prompt_ids: list[int], spec: str, steps: int, after_step=None):
     """Prefill, fork ``spec`` and feed ``steps`` greedy tokens one by one; ``after_step(cache, step)`` each step."""
     session = PromptSession(loaded, prompt_ids)
-    with listening(*listeners):
-        cache = session.fork(parse_spec(spec))
-        logits = session.prefill().last_logits
-        if after_step is not None:
-            after_step(cache, 0)
-        with torch.inference_mode():  # forward_step hands the cache its own attention when its method scores it
-            for step in range(1, steps + 1):
-                position = len(prompt_ids) + step - 1
-                logits = forward_step(loaded.model, cache, [int(logits.argmax())], position, step, loaded.device)
-                if after_step is not None:
-                    after_step(cache, step)
+    cache = session.fork(parse_spec(spec))
+    logits = session.prefill().last_logits
+    if after_step is not None:
+        after_step(cache, 0)
+    with torch.inference_mode():  # forward_step hands the cache its own attention when its method scores it
+        for step in range(1, steps + 1):
+            position = len(prompt_ids) + step - 1
+            logits = forward_step(loaded.model, cache, [int(logits.argmax())], position, step, loaded.device)
+            if after_step is not None:
+                after_step(cache, step)
     return cache
 
 
