@@ -14,7 +14,6 @@ import hashlib
 import os
 import pickle
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -25,6 +24,7 @@ from kvviz.engine.results import Comparison
 from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel, cache_dir
+from kvviz.runtime.progress import Progress
 from kvviz.studies.needle import NeedleReport, run_needle_grid
 from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
@@ -39,7 +39,6 @@ from kvviz.studies.sweep import (
 )
 from kvviz.studies.tail import TailReport, run_tail
 
-Progress = Callable[[float, str], None]
 MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
 
 

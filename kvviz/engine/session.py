@@ -30,7 +30,10 @@ from kvviz.planning.memory import model_card
 from kvviz.runtime.batch import ROW_ERRORS, DecodeGroup, Row
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefill import prefill_with_prefix, reusable_tokens
-from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
+from kvviz.runtime.progress import Progress, share
+from kvviz.runtime.replay import DecodeTrace, Sampling, decode, eos_token_ids
+
+FORKING = 0.05  # the share of a batched comparison's progress bar its forks take (its decode takes the rest)
 
 
 class PromptError(ValueError):
@@ -229,10 +232,7 @@ def compare(
     prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
     re-runs only the tail; see :mod:`kvviz.runtime.prefix`).
     """
-    stacks = [parse_spec(spec) for spec in specs]  # SpecError before any work
-    if not any(s.label == "full" for s in stacks):
-        stacks.insert(0, parse_spec("full"))
-    stacks.sort(key=lambda s: s.label != "full")
+    stacks = reference_first(specs)
     capture = capture_for(stacks)  # one capture serves every method: forks never re-prefill
     session = PromptSession(loaded, prompt_ids, reuse_prefix)
     if capture is None:  # nothing records the prompt: it may share a forward with others'
@@ -251,6 +251,15 @@ def compare(
                       quantization)
 
 
+def reference_first(specs: Sequence[str]) -> list[MethodStack]:
+    """The SPECs parsed (a SpecError before any work) with ``full`` first, added if missing: every other method is
+    scored against it."""
+    stacks = [parse_spec(spec) for spec in specs]
+    if not any(s.label == "full" for s in stacks):
+        stacks.insert(0, parse_spec("full"))
+    return sorted(stacks, key=lambda s: s.label != "full")
+
+
 def _error_result(label: str, error: BaseException) -> MethodResult:
     message = str(error) if isinstance(error, (SpecError, PromptError)) else f"{type(error).__name__}: {error}"
     return MethodResult(method=label, error=message)
@@ -266,10 +275,11 @@ def _fork_rows(session: PromptSession, stacks: list[MethodStack], progress: Prog
     """Every method's cache forked from the shared prefill (full first: it is the reference); a method that cannot
     fork is a row with its error."""
     first_logits = session.prefill(session._capture).last_logits
+    forking = share(progress, 0.0, FORKING)
     rows = []
     for index, stack in enumerate(stacks):
-        if progress is not None:
-            progress(0.05 * index / len(stacks), f"{stack.label}: compressing the prompt")
+        if forking is not None:
+            forking(index / len(stacks), f"{stack.label}: compressing the prompt")
         started = time.perf_counter()
         try:
             rows.append(Row(stack, session.fork(stack), first_logits, seconds=time.perf_counter() - started))
@@ -286,8 +296,7 @@ def teacher_forced(loaded: LoadedModel, prompt_ids: list[int], specs: list[str],
     Each result's agreement, KL and first divergence equal :func:`compare`'s for that SPEC; its text and tokens
     are full's, its bytes and ledger those of a cache fed full's tokens. ``full`` comes first (added if missing).
     """
-    stacks = [parse_spec(spec) for spec in specs]
-    stacks = [parse_spec("full")] + [s for s in stacks if s.label != "full"]
+    stacks = reference_first(specs)
     with loaded.lock:  # released before the decode: the running batch takes it step by step
         session = PromptSession(loaded, prompt_ids, reuse_prefix)
         session.prefill(capture_for(stacks))
@@ -297,8 +306,8 @@ def teacher_forced(loaded: LoadedModel, prompt_ids: list[int], specs: list[str],
         return [_error_result(row.label, full.error) for row in rows]
     for row in rows[1:]:
         row.follows = full
-    report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
-    group = DecodeGroup(rows, max_new_tokens, session.eos_ids, keep_logprobs=True, progress=report)
+    group = DecodeGroup(rows, max_new_tokens, session.eos_ids, keep_logprobs=True,
+                        progress=share(progress, FORKING, 1.0))
     loaded.decoder.decode(group)
     if group.error is not None:
         raise group.error
@@ -318,9 +327,8 @@ def _decode_rows(session: PromptSession, rows: list[Row], max_new_tokens: int, s
     """Decode the rows in the model's running batch (with other runs' rows, when other runs decode now:
     :mod:`kvviz.runtime.together`), then score each against full's teacher-forced distributions."""
     full = rows[0] if rows[0].error is None and rows[0].label == "full" else None
-    report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
-    group = DecodeGroup(rows, max_new_tokens, session.eos_ids, sampling, keep_logprobs=True, progress=report,
-                        reference=full)
+    group = DecodeGroup(rows, max_new_tokens, session.eos_ids, sampling, keep_logprobs=True,
+                        progress=share(progress, FORKING, 1.0), reference=full)
     session.loaded.decoder.decode(group)
     if group.error is not None:  # this run's step failed (cancelled, or the forward ran out of memory)
         raise group.error
@@ -347,21 +355,17 @@ def _compare_sequential(session: PromptSession, stacks: list[MethodStack], max_n
     reference: MethodResult | None = None
     reference_logprobs: list[torch.Tensor] = []
     for index, stack in enumerate(stacks):
-        def report(fraction: float, message: str, index: int = index, label: str = stack.label) -> None:
-            if progress is not None:
-                progress((index + fraction) / len(stacks), f"{label}: {message}")
-
+        report = share(progress, index / len(stacks), (index + 1) / len(stacks), f"{stack.label}: ")
         try:
-            share = 1.0 if reference is None else 0.5  # the second half for a teacher-forced decode
+            free_running = 1.0 if reference is None else 0.5  # the second half for a teacher-forced decode
             result, trace = session.run(stack, max_new_tokens, sampling, keep_logprobs=True,
-                                        progress=lambda f, m, s=share, r=report: r(f * s, m))
+                                        progress=share(report, 0.0, free_running))
             if reference is None and stack.label == "full":
                 reference, reference_logprobs = result, trace.step_logprobs
             logprobs = trace.step_logprobs
             if reference is not None and result.token_ids != reference.token_ids:
                 _, forced = session.run(stack, max_new_tokens, sampling, forced_tokens=reference.token_ids,
-                                        keep_logprobs=True,
-                                        progress=lambda f, m, r=report: r(0.5 + f / 2, f"teacher-forced {m}"))
+                                        keep_logprobs=True, progress=share(report, 0.5, 1.0, "teacher-forced "))
                 logprobs = forced.step_logprobs
             if reference is not None:
                 _score(result, reference_logprobs, logprobs)

@@ -28,7 +28,8 @@ from kvviz.cache.attention import KeyPart
 from kvviz.cache.kvcache import FirstUpdateLayer, KVCache
 from kvviz.cache.spec import MethodStack, SpecError
 from kvviz.runtime.faults import is_out_of_memory
-from kvviz.runtime.replay import DecodeTrace, Progress, Sampling
+from kvviz.runtime.progress import Progress
+from kvviz.runtime.replay import DecodeTrace, Sampling
 
 ROW_ERRORS = (SpecError, RuntimeError, ValueError, IndexError)  # what fails one row without failing the others
 

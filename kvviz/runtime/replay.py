@@ -7,7 +7,7 @@ step's attention. The ``full`` policy reproduces ``model.generate`` greedy outpu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -15,8 +15,7 @@ import torch
 from kvviz.cache.attention import AttentionListener
 from kvviz.cache.kvcache import KVCache
 from kvviz.runtime.invariance import rows_as_they_come
-
-Progress = Callable[[float, str], None]
+from kvviz.runtime.progress import Progress
 
 
 @dataclass

@@ -26,7 +26,8 @@ from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefill import prefill_with_prefix
-from kvviz.runtime.replay import Progress, decode, eos_token_ids
+from kvviz.runtime.progress import Progress
+from kvviz.runtime.replay import decode, eos_token_ids
 from kvviz.studies.needle import MODES
 
 DEFAULT_METHODS = ("snapkv:budget=256,window=48", "streaming_llm:sinks=4,window=252,rerotate=0",
