@@ -21,7 +21,10 @@ from urllib.parse import urlparse
 
 import torch
 
+from kvviz.cache.attention import install_attention
+from kvviz.runtime.allocator import share_freed_memory
 from kvviz.runtime.faults import ModelError
+from kvviz.runtime.invariance import install_row_invariance
 from kvviz.runtime.prefix import PrefixCache
 from kvviz.runtime.together import SharedDecoder, SharedPrefill
 from kvviz.runtime.turns import FairLock
@@ -257,11 +260,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from kvviz.cache.attention import install_attention
-    from kvviz.runtime.allocator import share_freed_memory
-    from kvviz.runtime.invariance import install_row_invariance
-
-    share_freed_memory()
+    share_freed_memory()  # before the weights are allocated (ready() asks again, for models built elsewhere)
     hf_logging.disable_progress_bar()
     source, is_local = resolve_source(name)
     device = resolve_device(device)
@@ -287,7 +286,16 @@ def load_model(
         raise ModelError(f"could not load {name!r} as a {where}: {str(error).splitlines()[0]}") from error
     if quantization is None:
         model.to(device)
+    return ready(name, model, tokenizer, device, torch_dtype, weights)
+
+
+def ready(name: str, model: torch.nn.Module, tokenizer, device: str, dtype: torch.dtype,
+          weights: str = "auto") -> LoadedModel:
+    """A model on its device made ready for kvviz, whatever built it (:func:`load_model`, the bench's random-weight
+    models): the threads serving runs share freed memory, the model is in eval mode with kvviz's attention, and on a
+    CPU its linear layers pad rows to batch-independent counts (:mod:`kvviz.runtime.invariance`)."""
+    share_freed_memory()
     model.eval()
     install_attention(model)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype, weights=weights,
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, weights=weights,
                        row_counts=install_row_invariance(model, device))
