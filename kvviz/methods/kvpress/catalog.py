@@ -116,5 +116,6 @@ def not_mappable_reason(cls: type) -> str | None:
                 "inserts; kvviz's prompts carry none")
     if issubclass(cls, kvpress.DecodingPress):
         return ("it compresses while decoding, and kvviz decodes on its own cache (kvpress's hooks are not active "
-                "then); PrefillDecodingPress runs its prefill part, kvviz's h2o/tova evict while decoding")
+                "then); PrefillDecodingPress runs its prefill part, kvviz's `decoding` reproduces DecodingPress and "
+                "its h2o/tova evict while decoding")
     return None
