@@ -225,8 +225,9 @@ def compare(
     with its error while the others still complete.
 
     ``batched`` (the default, on every device): one prefill, then every method decodes in one batch, one forward per
-    step for all of them (:mod:`kvviz.runtime.batch`); a method's teacher-forced twin joins at the step it first parts
-    from full, and each result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False``
+    step for all of them (:mod:`kvviz.runtime.batch`); at the step a method first parts from full, its teacher-forced
+    twin joins (a copy of its cache fed full's tokens from then on, which its agreement and KL are scored on), and
+    each result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False``
     decodes the methods one after another after the same prefill: the baseline the tests and the bench compare
     against. Both give the same tokens, ledgers and bytes (tests/test_batched.py). ``reuse_prefix``: the
     prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
