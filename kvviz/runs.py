@@ -14,26 +14,24 @@ import hashlib
 import os
 import pickle
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from kvviz.cache.attention import listening
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.stats import AttentionStats
 from kvviz.engine.results import Comparison
 from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel, cache_dir
-from kvviz.runtime.prefix import LengthCost, ReuseReport, context_cost, run_turns
+from kvviz.runtime.progress import Progress
 from kvviz.studies.needle import NeedleReport, run_needle_grid
+from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
 from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, run_sweep
-from kvviz.studies.workloads import Workload
 from kvviz.studies.tail import TailReport, run_tail
+from kvviz.studies.workloads import Workload
 
-Progress = Callable[[float, str], None]
 MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
 
 
@@ -105,8 +103,8 @@ class AttentionRequest(RunRequest):
                                matrix_size=MATRIX_SIZE,
                                received_layers=None if self.every_layer else (self.layer,))
         listeners = [_LayerProgress(card.layers, progress)] if progress is not None else []
-        with loaded.lock, listening(*listeners):
-            return PromptSession(loaded, list(self.prompt_ids)).prefill(config).stats
+        with loaded.lock:
+            return PromptSession(loaded, list(self.prompt_ids)).prefill(config, listeners).stats
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from kvviz.methods.kvpress.catalog import configure_presses
+from kvviz.engine.startup import apply_settings
 from kvviz.runtime.faults import describe_error
 from kvviz.runtime.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.runtime.settings import Settings
@@ -12,11 +12,9 @@ from kvviz_app.url import ICON, Read, linked, listing, read_text, shown, unknown
 
 
 def settings() -> Settings:
-    """Deployment limits from the environment (upload size, prompt and generation caps); the server's own kvpress
-    presses are handed to the methods here, since they read no environment themselves."""
-    config = Settings.from_env()
-    configure_presses(config.presses, config.custom_presses_allowed)
-    return config
+    """Deployment limits from the environment (upload size, prompt and generation caps), applied as every entry point
+    applies them (:func:`kvviz.engine.startup.apply_settings`: the server's own kvpress presses reach the methods)."""
+    return apply_settings()
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)

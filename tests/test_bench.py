@@ -12,7 +12,6 @@ import torch
 
 from kvviz import bench
 from kvviz.cache import attention
-from kvviz.cache.attention import listening
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.stats import StatsRecorder
 from kvviz.cli import main
@@ -158,8 +157,8 @@ def test_blockwise_capture_matches_one_block(tiny_model, story_ids, monkeypatch)
 
     def captured():
         recorder, wide = StatsRecorder(config, n), _FullWidth()
-        with torch.inference_mode(), listening(recorder, wide):
-            logits = tiny_model.model(input_ids=ids).logits
+        with torch.inference_mode():
+            logits = tiny_model.model(input_ids=ids, listeners=(recorder, wide)).logits
         return logits, recorder.finish(), wide
 
     logits, whole, _ = captured()

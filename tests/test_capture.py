@@ -3,29 +3,27 @@
 import pytest
 import torch
 
-from kvviz.cache.attention import listening
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.stats import StatsRecorder
 
 
-def _forward(model, ids):
+def _forward(model, ids, *listeners):
+    """The model's logits over ``ids``; ``listeners`` go with the call to every layer's attention."""
     with torch.inference_mode():
-        return model(input_ids=torch.tensor([ids])).logits
+        return model(input_ids=torch.tensor([ids]), listeners=listeners).logits
 
 
 def test_capture_returns_the_same_logits_as_sdpa(tiny_model, story_ids):
     plain = _forward(tiny_model.model, story_ids[:120])
     recorder = StatsRecorder(CaptureConfig(), 120)
-    with listening(recorder):
-        captured = _forward(tiny_model.model, story_ids[:120])
+    captured = _forward(tiny_model.model, story_ids[:120], recorder)
     torch.testing.assert_close(captured, plain, atol=1e-4, rtol=1e-4)
 
 
 def test_attention_rows_sum_to_one_and_key_scores_add_up(tiny_model, story_ids):
     n = 64
     recorder = StatsRecorder(CaptureConfig(sink_tokens=4, matrices=[(1, 2)], matrix_size=n), n)
-    with listening(recorder):
-        _forward(tiny_model.model, story_ids[:n])
+    _forward(tiny_model.model, story_ids[:n], recorder)
     stats = recorder.finish()
     assert set(stats.key_attention) == {0, 1}
     for layer in (0, 1):
@@ -42,8 +40,7 @@ def test_attention_rows_sum_to_one_and_key_scores_add_up(tiny_model, story_ids):
 def test_matrices_are_downsampled_for_long_prompts(tiny_model, story_ids):
     n = len(story_ids)
     recorder = StatsRecorder(CaptureConfig(matrices=[(0, 0)], matrix_size=32), n)
-    with listening(recorder):
-        _forward(tiny_model.model, story_ids)
+    _forward(tiny_model.model, story_ids, recorder)
     matrix = recorder.finish().matrices[(0, 0)]
     assert matrix.shape == (32, 32)
     torch.testing.assert_close(matrix.sum(dim=1), torch.ones(32), atol=1e-4, rtol=1e-4)
@@ -54,8 +51,7 @@ def test_statistics_memory_grows_linearly(tiny_model, story_ids):
     for n in (100, 200, 400):
         ids = (story_ids * 3)[:n]
         recorder = StatsRecorder(CaptureConfig(windows=(16,)), n)
-        with listening(recorder):
-            _forward(tiny_model.model, ids)
+        _forward(tiny_model.model, ids, recorder)
         sizes.append(recorder.finish().nbytes())
     assert sizes[1] == 2 * sizes[0] and sizes[2] == 2 * sizes[1]
 
@@ -63,8 +59,7 @@ def test_statistics_memory_grows_linearly(tiny_model, story_ids):
 def test_window_attention_sums_the_last_queries(tiny_model, story_ids):
     n = 48
     recorder = StatsRecorder(CaptureConfig(matrices=[(0, 1)], matrix_size=n, windows=(8,)), n)
-    with listening(recorder):
-        _forward(tiny_model.model, story_ids[:n])
+    _forward(tiny_model.model, story_ids[:n], recorder)
     stats = recorder.finish()
     expected = stats.matrices[(0, 1)][-8:].sum(dim=0)
     torch.testing.assert_close(stats.window_attention[8][0][1], expected, atol=1e-5, rtol=1e-5)
@@ -82,12 +77,10 @@ def test_window_only_capture_computes_just_the_window_rows_and_matches_the_full_
         return explicit(*args, first_query=first_query, **kwargs)
 
     full = StatsRecorder(CaptureConfig(windows=(4, 16)), n)
-    with listening(full):
-        _forward(tiny_model.model, story_ids[:n])
+    _forward(tiny_model.model, story_ids[:n], full)
     monkeypatch.setattr(attention, "_explicit_attention", counting)
     windows_only = StatsRecorder(CaptureConfig(windows=(4, 16), all_queries=False), n)
-    with listening(windows_only):
-        logits = _forward(tiny_model.model, story_ids[:n])
+    logits = _forward(tiny_model.model, story_ids[:n], windows_only)
     assert computed == [16, 16]  # per layer: the longest window's queries, not all 96
     torch.testing.assert_close(logits, _forward(tiny_model.model, story_ids[:n]))
     ours, reference = windows_only.finish(), full.finish()
@@ -99,8 +92,7 @@ def test_window_only_capture_computes_just_the_window_rows_and_matches_the_full_
 
 def test_sink_mass_is_strong_on_the_real_model(real_model, story_ids):
     recorder = StatsRecorder(CaptureConfig(sink_tokens=1), len(story_ids))
-    with listening(recorder):
-        _forward(real_model.model, story_ids)
+    _forward(real_model.model, story_ids, recorder)
     per_layer = recorder.finish().sink_mass_per_layer()
     assert len(per_layer) == 30
     assert max(per_layer[12:]) > 0.3, "deep layers of SmolLM2 put much of their attention on token 0"
@@ -147,12 +139,10 @@ def test_layers_without_received_attention_run_sdpa_and_still_report_exact_sink_
         return explicit(module, *args, first_query=first_query, **kwargs)
 
     every = StatsRecorder(CaptureConfig(sink_tokens=3), n)
-    with listening(every):
-        _forward(tiny_model.model, story_ids[:n])
+    _forward(tiny_model.model, story_ids[:n], every)
     monkeypatch.setattr(attention, "_explicit_attention", counting)
     one_layer = StatsRecorder(CaptureConfig(sink_tokens=3, received_layers=(1,)), n)
-    with listening(one_layer):
-        logits = _forward(tiny_model.model, story_ids[:n])
+    logits = _forward(tiny_model.model, story_ids[:n], one_layer)
     assert explicit_layers == [1]
     torch.testing.assert_close(logits, _forward(tiny_model.model, story_ids[:n]), atol=1e-5, rtol=1e-5)
     ours, reference = one_layer.finish(), every.finish()

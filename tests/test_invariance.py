@@ -6,7 +6,6 @@ import torch
 from kvviz.engine.session import compare, encode_prompt
 from kvviz.lessons import STORY_QUESTION
 from kvviz.runtime.invariance import PROBE_ROWS, RowPaddedLinear, agreeing_row_counts, rows_as_they_come
-from kvviz.runtime.together import shared_decoder
 from tests.test_together import together
 
 COMPARE_DEFAULTS = ["full", "streaming_llm:window=0.25", "snapkv:budget=0.25,window=8", "kivi:residual=0"]
@@ -58,7 +57,7 @@ def test_runs_decoding_beside_another_users_run_equal_themselves_alone_bit_for_b
                 "max_new_tokens": 16, "reuse_prefix": False}
     one_row = {"prompt_ids": encode_prompt(tokenizer, "Name three rivers.", chat=True), "specs": ["full"],
                "max_new_tokens": 6, "reuse_prefix": False}
-    decoder = shared_decoder(real_model)
+    decoder = real_model.decoder
     shared = decoder.shared_forwards
     outcomes = together(real_model, [defaults, one_row])
     assert decoder.shared_forwards > shared, "the two runs decoded in the same forwards"

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from kvviz.engine.session import PromptSession, compare
+from kvviz.engine.startup import apply_settings
 from kvviz.methods import SpecError, parse_spec
 from kvviz.methods.kvpress.catalog import configure_presses, load_press_class, press_catalog
 from kvviz.methods.kvpress.coverage import HUB, NOT_MAPPABLE, RUNS, coverage
 from kvviz.methods.kvpress.native import KVPressNative
 from kvviz.methods.kvpress.report import NotMappable
 from kvviz.methods.kvpress.rowmatch import match_rows
-from kvviz.runtime.settings import Settings
 
 logging.getLogger("kvpress").setLevel(logging.ERROR)
 
@@ -35,8 +35,7 @@ def server_settings(monkeypatch):
     def start(**env: str) -> None:
         for name, value in env.items():
             monkeypatch.setenv(name, value)
-        settings = Settings.from_env()
-        configure_presses(settings.presses, settings.custom_presses_allowed)
+        apply_settings()
 
     yield start
     configure_presses((), True)

@@ -99,3 +99,15 @@ def test_recent_results_return_the_same_object_and_drop_the_least_recently_used(
     assert memory.get("a") is first, "a re-render gets the very object, not an unpickled copy"
     memory.put("c", {"c": 3})
     assert memory.get("b") is None and memory.get("a") is first and memory.get("c") == {"c": 3}
+
+
+def test_attention_request_reports_each_layer_as_its_prefill_passes_it(tiny_model, story_ids):
+    """The request hands its progress listener to the prefill with the call (no listener is ambient): one report per
+    layer, beside the statistics the capture records."""
+    from kvviz.runs import AttentionRequest
+
+    reports: list[tuple[float, str]] = []
+    stats = AttentionRequest(tuple(story_ids[:40]), layer=1, sink_tokens=1).compute(
+        tiny_model, lambda fraction, message: reports.append((fraction, message)))
+    assert reports == [(0.5, "layer 1 of 2"), (1.0, "layer 2 of 2")]
+    assert stats.sink_mass[1].shape[-1] == 40

@@ -7,10 +7,9 @@ import time
 from kvviz.engine.session import PromptSession, compare
 from kvviz.methods import parse_spec
 from kvviz.methods.window import Window
-from kvviz.runtime import prefix
+from kvviz.runtime import prefill
 from kvviz.runtime.batch import DecodeGroup, Row
 from kvviz.runtime.replay import Sampling
-from kvviz.runtime.together import shared_decoder, shared_prefill
 from tests.test_batched import assert_same_rows
 
 FIRST_SPECS = ["window:window=8", "h2o:heavy=4,recent=4", "snapkv:budget=16,window=4"]
@@ -44,7 +43,7 @@ def together(loaded, runs: list[dict]) -> list:
 
 
 def test_two_prompts_of_different_lengths_in_one_batch_give_each_its_results_alone(tiny_model, story_ids):
-    decoder = shared_decoder(tiny_model)
+    decoder = tiny_model.decoder
     shared_before, forwards_before, seconds_before = decoder.shared_forwards, decoder.forwards, decoder.seconds
     runs = [dict(prompt_ids=story_ids[:60], specs=FIRST_SPECS, max_new_tokens=10),
             dict(prompt_ids=story_ids[5:45], specs=SECOND_SPECS, max_new_tokens=4)]  # joins late, leaves early
@@ -71,7 +70,7 @@ def test_a_group_reads_unfinished_to_other_threads_while_its_step_still_chooses_
     first_logits = session.prefill().last_logits
     rows = [Row(parse_spec(spec), session.fork(parse_spec(spec)), first_logits) for spec in ("full", "window:window=8")]
     group = DecodeGroup(rows, 4, set(), Watched())
-    shared_decoder(tiny_model).decode(group)
+    tiny_model.decoder.decode(group)
     assert len(seen_while_choosing) == 4 * len(rows) and not any(seen_while_choosing)
     assert group.finished and [len(row.trace.token_ids) for row in rows] == [4, 4]
 
@@ -110,7 +109,7 @@ def test_one_users_failing_method_does_not_touch_another_users_run(tiny_model, s
 
 
 def test_prompts_waiting_together_share_one_prefill_and_each_run_equals_alone(tiny_model, story_ids):
-    prefills = shared_prefill(tiny_model)
+    prefills = tiny_model.prefills
     forwards, shared = prefills.forwards, prefills.shared_forwards
     specs = ["window:window=8", "kivi:bits=2", "streaming_llm:sinks=2,window=6"]  # nothing records the prompt
     runs = [dict(prompt_ids=story_ids[:31], specs=specs, max_new_tokens=6),
@@ -128,7 +127,7 @@ def test_a_shared_prefill_that_fails_fails_every_run_in_it(tiny_model, story_ids
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("simulated: out of memory")
 
-    monkeypatch.setattr(prefix, "prefill_rows", out_of_memory)
+    monkeypatch.setattr(prefill, "prefill_rows", out_of_memory)
     runs = [dict(prompt_ids=story_ids[i:i + 20], specs=["window:window=8"], max_new_tokens=3) for i in (0, 30)]
     outcomes = together(tiny_model, runs)
     assert [str(outcome) for outcome in outcomes] == ["simulated: out of memory"] * 2

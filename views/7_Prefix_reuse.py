@@ -7,7 +7,7 @@ import streamlit as st
 
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runs import ContextCostRequest, PrefixSharingRequest, PrefixTurnsRequest
-from kvviz.runtime.prefix import (
+from kvviz.studies.prefix_reuse import (
     DEFAULT_QUESTIONS,
     default_preamble,
     edit_preamble,

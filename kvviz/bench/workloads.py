@@ -19,7 +19,7 @@ from kvviz.bench.harness import sync
 from kvviz.cache.kvcache import KVCache
 from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
-from kvviz.runtime.models import LoadedModel, ModelError, resolve_device, resolve_dtype
+from kvviz.runtime.models import LoadedModel, ModelError, ready, resolve_device, resolve_dtype
 from kvviz.runtime.replay import decode
 from kvviz.studies.perplexity import play_text
 
@@ -54,9 +54,6 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None,
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from kvviz.cache.attention import install_attention
-    from kvviz.runtime.invariance import install_row_invariance
-
     if spec in PRESETS:
         fields = dict(PRESETS[spec])
     elif Path(spec).is_file():
@@ -74,11 +71,9 @@ def random_model(spec: str, device: str | None = None, dtype: str | None = None,
     torch_dtype = resolve_dtype(device, dtype)
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     model.generation_config.eos_token_id = None
-    install_attention(model)
-    return LoadedModel(name=f"random:{spec if spec in PRESETS else 'config'}", model=model, tokenizer=text_tokenizer,
-                       device=device, dtype=torch_dtype, row_counts=install_row_invariance(model, device))
+    return ready(f"random:{spec if spec in PRESETS else 'config'}", model, text_tokenizer, device, torch_dtype)
 
 
 @functools.lru_cache(maxsize=4)

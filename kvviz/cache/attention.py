@@ -1,18 +1,18 @@
 """kvviz's attention function, registered through transformers' AttentionInterface, without O(N^2) memory.
 
 kvviz registers one attention function, ``"kvviz"``. With nobody listening it forwards to PyTorch's SDPA path. When
-a listener is active (a statistics recorder for the Attention page and prefill-time selection, or a cache policy
+a listener is given (a statistics recorder for the Attention page and prefill-time selection, or a cache policy
 that scores tokens at every decode step), it computes attention explicitly in query blocks, hands each block of
-probabilities to the listeners, and drops it: memory stays O(layers * heads * N) plus one bounded block. What a
-kvviz cache adds to a call (the slots to skip, a batch's rows over their own keys) travels with the model call as
-its ``key_source`` (:class:`KeySource`). What to record is :mod:`kvviz.cache.capture`; the recorder that folds the
-blocks into statistics is :mod:`kvviz.cache.stats`.
+probabilities to the listeners, and drops it: memory stays O(layers * heads * N) plus one bounded block. Whatever a
+caller decides travels with the model call, as transformers passes a call's extra keywords down to every attention
+call: the caller's ``listeners``, and what a kvviz cache adds (the slots to skip, a batch's rows over their own keys,
+a method's own listener) as its ``key_source`` (:class:`KeySource`). What to record is :mod:`kvviz.cache.capture`;
+the recorder that folds the blocks into statistics is :mod:`kvviz.cache.stats`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -51,11 +51,6 @@ def sinks_wanted(listener: AttentionListener, layer_idx: int) -> int:
     return 0 if sink_tokens_for is None else sink_tokens_for(layer_idx)
 
 
-_listeners: contextvars.ContextVar[tuple[AttentionListener, ...]] = contextvars.ContextVar(
-    "kvviz_attention_listeners", default=()
-)
-
-
 @dataclass
 class KeyPart:
     """Batch rows ``rows`` of a forward and the keys they attend over: ``keys``/``values`` [b, H_kv, T, D],
@@ -82,21 +77,6 @@ class KeySource(Protocol):
     """
 
     def key_parts(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> list[KeyPart]: ...
-
-
-@contextlib.contextmanager
-def listening(*listeners: AttentionListener):
-    """Activate listeners for the forwards run inside this block (per thread: users do not see each other)."""
-    token = _listeners.set(_listeners.get() + tuple(listeners))
-    try:
-        yield
-    finally:
-        _listeners.reset(token)
-
-
-def listened() -> bool:
-    """Whether an attention listener is active in this thread: a forward run by another thread would escape it."""
-    return bool(_listeners.get())
 
 
 def _with_padding_mask(attention_mask: torch.Tensor | None, padding: torch.Tensor, q_heads: int,
@@ -217,14 +197,16 @@ def _sdpa_with_sink_mass(module, query, key, value, attention_mask, scaling, dro
 
 
 def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                    key_source: KeySource | None = None, **kwargs):
+                    key_source: KeySource | None = None, listeners: Sequence[AttentionListener] = (), **kwargs):
     """The registered attention function: SDPA when nobody listens, explicit blocks otherwise; with a
     ``key_source`` (a kvviz cache passed with the model call), each part of the batch over its own keys.
+    ``listeners``: what the model call's caller hands every layer's attention probabilities to (the prefill's
+    statistics recorder, a progress report).
 
     ``dropout`` comes sixth: importing kvpress wraps every registered attention function and passes it positionally.
     """
     layer_idx = getattr(module, "layer_idx", 0)
-    listeners = [listener for listener in _listeners.get() if listener.wants(layer_idx)]
+    listeners = [listener for listener in listeners if listener.wants(layer_idx)]
     if key_source is None:
         return _attend(module, query, key, value, attention_mask, scaling, dropout, listeners, **kwargs)
     parts = key_source.key_parts(layer_idx, key, value)

@@ -22,7 +22,7 @@ from kvviz.cache.protect import with_protected
 from kvviz.cache.protocol import Decode, EvictionMethod, LayerView
 from kvviz.cache.rotation import KeyRerotation, KeyRotator
 from kvviz.cache.spec import MethodStack, SpecError
-from kvviz.cache.storage import DenseStorage, KeptRanges, KVStorage, MergedKeep, RaggedKeep, StorageBytes, take_ranges
+from kvviz.cache.storage import DenseStorage, Keep, KVStorage, StorageBytes, as_keep
 
 
 @dataclass
@@ -164,64 +164,34 @@ class KVLayer(FirstUpdateLayer):
         chooses from the new queries' probabilities ``probs`` [B, H_q, q, T]."""
         self.apply_keep(self.eviction.select(self.view(attention=probs)))
 
-    def apply_keep(self, kept: torch.Tensor | KeptRanges | RaggedKeep | MergedKeep | None,
-                   rotary_end: int | None = None) -> None:
-        """Keep entries ``kept`` (an index [B, H, n] or ranges every head keeps); record the rest in the ledger;
-        re-rotate keys if the method asks.
+    def apply_keep(self, kept: torch.Tensor | Keep | None, rotary_end: int | None = None) -> None:
+        """Keep entries ``kept`` (as a method chose them: an index [B, H, n] or a keep of :mod:`kvviz.cache.storage`);
+        record the rest in the ledger; re-rotate keys if the method asks. Each kind of keep applies itself.
 
         ``rotary_end``: one past the rotary position re-rotated keys must end at (the in-flight queries' position);
         by default the cache length, so the next token (given rotary position ``len(cache)``) follows on.
         """
-        if kept is None:
+        keep = None if kept is None else as_keep(kept)
+        if keep is not None and self.protected is not None:
+            keep = self._protected(keep)
+        if keep is None:
             return
-        if self.protected is not None:
-            if isinstance(kept, (MergedKeep, RaggedKeep)):  # said, not silently ignored
-                raise SpecError(f"{self.eviction.name} cannot protect spans: its heads keep different counts or "
-                                "merge entries; protect with a method that drops whole entries")
-            kept = with_protected(kept, self.positions, self.protected)
-            if kept is None:
-                return
-        if isinstance(kept, MergedKeep):  # the kept entries change: store them afresh, in the stack's format
-            self.apply_keep(kept.index)
-            self.storage = self.new_storage()
-            self.storage.append(kept.keys, kept.values)
-            return
-        if isinstance(kept, RaggedKeep):
-            self._apply_ragged(kept)
-        elif isinstance(kept, KeptRanges):
-            if self.ledger is not None:
-                gaps = kept.dropped(self.positions.shape[-1])
-                if gaps:
-                    self.ledger.record(self.layer_idx, self.context.step, take_ranges(self.positions[0], gaps, -1))
-            self.storage.keep_ranges(kept)
-            self.positions = take_ranges(self.positions, kept.spans, -1)
-            self.rotary = take_ranges(self.rotary, kept.spans, -1)
-            self.padding = None if self.padding is None else take_ranges(self.padding, kept.spans, -1)
-            self.blocked = None if self.blocked is None else take_ranges(self.blocked, kept.spans, -1)
-        else:
-            if self.ledger is not None:
-                dropped = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept[0], False)
-                removed = self.positions[0][dropped].view(self.positions.shape[1], -1)
-                self.ledger.record(self.layer_idx, self.context.step, removed)
-            self.storage.keep(kept)
-            self.positions = self.positions.gather(-1, kept)
-            self.rotary = self.rotary.gather(-1, kept)
-            self.padding = None if self.padding is None else self.padding.gather(-1, kept)
-            self.blocked = None if self.blocked is None else self.blocked.gather(-1, kept)
+        if self.ledger is not None:
+            keep.record(self.ledger, self.layer_idx, self.context.step, self.positions)
+        self.storage = keep.keep_in(self.storage, self.new_storage)
+        self.padding = keep.padding_after(self.padding)
+        self.positions, self.rotary = keep.take(self.positions), keep.take(self.rotary)
+        self.blocked = None if self.blocked is None else keep.take(self.blocked)
         if self.eviction is not None and self.eviction.rerotate:
             self._rerotate(self.rotary.shape[-1] if rotary_end is None else rotary_end)
 
-    def _apply_ragged(self, kept: RaggedKeep) -> None:
-        """Heads keep different numbers of entries: store the padded layout and remember which slots are padding."""
-        if self.ledger is not None:
-            removed = torch.ones_like(self.positions[0], dtype=torch.bool).scatter_(-1, kept.index[0], False)
-            self.ledger.record_per_head(self.layer_idx, self.context.step, self.positions[0], removed)
-        padding = ~kept.valid if self.padding is None else self.padding.gather(-1, kept.index) | ~kept.valid
-        self.storage.keep(kept.index)
-        self.positions = self.positions.gather(-1, kept.index)
-        self.rotary = self.rotary.gather(-1, kept.index)
-        self.blocked = None if self.blocked is None else self.blocked.gather(-1, kept.index)
-        self.padding = padding if bool(padding.any()) else None
+    def _protected(self, keep: Keep) -> Keep | None:
+        """``keep`` widened so that no protected position is dropped (:mod:`kvviz.cache.protect`)."""
+        if not keep.protectable:  # said, not silently ignored
+            raise SpecError(f"{self.eviction.name} cannot protect spans: its heads keep different counts or "
+                            "merge entries; protect with a method that drops whole entries")
+        widened = with_protected(keep, self.positions, self.protected)
+        return None if widened is None else as_keep(widened)
 
     def block(self, blocked: torch.Tensor | None) -> None:
         """Hold entries ``blocked`` [B, H_kv, T] without attending to them (recorded as evicted): heads of a layer

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kvviz.cache.protocol import topk_keep
-from kvviz.cache.storage import KeptRanges
+from kvviz.cache.storage import Keep, KeptRanges, as_keep
 
 
 def protected_positions(spans: list[tuple[int, int]] | tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -32,11 +32,11 @@ def _ranges(mask: torch.Tensor) -> tuple[tuple[int, int], ...]:
     return tuple(zip(edges[::2], edges[1::2], strict=True))
 
 
-def with_protected(kept: torch.Tensor | KeptRanges | None, positions: torch.Tensor,
-                   protected: torch.Tensor) -> torch.Tensor | KeptRanges | None:
+def with_protected(kept: torch.Tensor | Keep | None, positions: torch.Tensor,
+                   protected: torch.Tensor) -> torch.Tensor | Keep | None:
     """A method's keep choice widened so no entry at a ``protected`` position is dropped.
 
-    ``kept``: an index [B, H, n] or ranges (as methods return them), or None (keep all). ``positions`` [B, H, T]:
+    ``kept``: an index [B, H, n] (bare or a :class:`KeptIndex`) or ranges, or None (keep all). ``positions`` [B, H, T]:
     absolute positions of the cached entries, ascending per head. Returns the same kinds: ranges stay ranges when
     every head holds the same positions (positional policies keep their cheap path).
     """
@@ -52,8 +52,8 @@ def with_protected(kept: torch.Tensor | KeptRanges | None, positions: torch.Tens
             for start, end in kept.spans:
                 mask[start:end] = True
             return None if bool(mask.all()) else KeptRanges(_ranges(mask), kept.batch, kept.heads, kept.device)
-        kept = kept.index()
-    keep = torch.zeros_like(is_protected).scatter_(-1, kept.to(positions.device), True) | is_protected
+    index = kept.index() if isinstance(kept, KeptRanges) else as_keep(kept).index
+    keep = torch.zeros_like(is_protected).scatter_(-1, index.to(positions.device), True) | is_protected
     count = int(keep.sum(-1).max())
     recency = torch.arange(length, device=positions.device).expand(positions.shape)  # cache order is arrival order
     return topk_keep(recency, count, forced=keep)

@@ -22,12 +22,11 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class Budget:
     """A token budget: a count (``256``, written without a decimal point) or a ratio of a reference length (``0.25``,
-    ``1.0`` = all of it, written with one). :meth:`read` applies that rule to what users type."""
+    ``1.0`` = all of it, written with one). :meth:`read` applies that rule to what users type; :meth:`rule` says it,
+    once for every method's budget parameters."""
 
     value: float
     ratio: bool | None = None  # None: decided by the value (below 1 is a ratio), for budgets built in code
-
-    RULE: ClassVar[str] = "a token count without a decimal point (256) or a ratio of the prompt with one (0.25, 1.0)"
 
     def __post_init__(self) -> None:
         if self.ratio is None:
@@ -44,8 +43,13 @@ class Budget:
         is_ratio = isinstance(raw, float) or any(mark in text for mark in ".eE")
         value = float(text)
         if not math.isfinite(value) or value <= 0 or (is_ratio and value > 1) or (not is_ratio and value % 1):
-            raise ValueError(f"budget {text}: expected {cls.RULE}")
+            raise ValueError(f"budget {text}: expected {cls.rule()}")
         return cls(value, is_ratio)
+
+    @staticmethod
+    def rule(of: str = "the prompt") -> str:
+        """How a budget is written, its ratio being one ``of`` a reference length."""
+        return f"a token count without a decimal point (256) or a ratio of {of} with one (0.25; 1.0 = all of it)"
 
     @property
     def is_ratio(self) -> bool:
@@ -66,7 +70,9 @@ class Budget:
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter of a method: its name, type, default, allowed range or choices, and help text."""
+    """One parameter of a method: its name, type, default, allowed range or choices, and help text. A
+    :class:`Budget` parameter's help says what it counts; how it is written comes from :meth:`Budget.rule`, with
+    ``ratio_of`` the length its ratio is one of."""
 
     name: str
     type: type
@@ -75,6 +81,7 @@ class Param:
     min: float | None = None
     max: float | None = None
     choices: tuple | None = None
+    ratio_of: str = "the prompt"
 
     def describe_range(self) -> str:
         if self.choices is not None:
@@ -82,7 +89,7 @@ class Param:
         if self.type is bool:
             return "0|1"
         if self.type is Budget:
-            return f"{Budget.RULE}; a ratio lies in (0, 1]"
+            return f"{Budget.rule(self.ratio_of)}; a ratio lies in (0, 1]"
         low = "-inf" if self.min is None else f"{self.min:g}"
         high = "inf" if self.max is None else f"{self.max:g}"
         return f"{self.type.__name__} in [{low}, {high}]"
@@ -290,7 +297,7 @@ def methods_markdown(registry: dict[str, type[Method]] | None = None) -> str:
                 continue
             lines += ["| parameter | default | values | meaning |", "|---|---|---|---|"]
             for param in method.params:
-                values = "budget" if param.type is Budget else param.describe_range()
+                values = f"budget (ratios of {param.ratio_of})" if param.type is Budget else param.describe_range()
                 default = _format_value(param.parse(name, param.default))
                 lines.append(f"| `{param.name}` | `{cell(default)}` | {cell(values)} | {cell(param.help)} |")
             lines.append("")

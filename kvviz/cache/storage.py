@@ -7,9 +7,13 @@ A storage holds entries in cache order, per KV head: keys and values ``[B, H_kv,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+
+from kvviz.cache.ledger import EvictionLedger
 
 
 @dataclass
@@ -51,6 +55,16 @@ def gather_tokens(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return picked.view(batch, heads, index.shape[-1], *rest)
 
 
+def take_ranges(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...], dim: int) -> torch.Tensor:
+    """The entries of ``tensor`` along ``dim`` within ``spans``, in one copy."""
+    return torch.cat([tensor.narrow(dim, start, end - start) for start, end in spans], dim=dim)
+
+
+# What an eviction keeps comes in four kinds. Each applies itself (KVLayer.apply_keep runs the same steps for all):
+# ``take`` keeps its entries of a per-entry tensor [B, H, T], ``record`` writes what it dropped into a ledger,
+# ``keep_in`` shrinks a storage (or stores merged entries afresh) and ``padding_after`` says which slots are padding.
+
+
 @dataclass(frozen=True)
 class KeptRanges:
     """Entries every head keeps, as ascending cache-index ranges ``[start, end)``: what positional policies (a
@@ -60,6 +74,8 @@ class KeptRanges:
     batch: int
     heads: int
     device: torch.device | str = "cpu"
+
+    protectable: ClassVar[bool] = True  # protected spans can widen it (kvviz.cache.protect)
 
     def index(self) -> torch.Tensor:
         """The same choice as an index [B, H, n], for storages and code that gather."""
@@ -77,9 +93,51 @@ class KeptRanges:
             gaps.append((cursor, length))
         return tuple(gaps)
 
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return take_ranges(tensor, self.spans, -1)
+
+    def record(self, ledger: EvictionLedger, layer_idx: int, step: int, positions: torch.Tensor) -> None:
+        gaps = self.dropped(positions.shape[-1])
+        if gaps:
+            ledger.record(layer_idx, step, take_ranges(positions[0], gaps, -1))
+
+    def keep_in(self, storage: KVStorage, new_storage: Callable[[], KVStorage]) -> KVStorage:
+        storage.keep_ranges(self)
+        return storage
+
+    def padding_after(self, padding: torch.Tensor | None) -> torch.Tensor | None:
+        return None if padding is None else self.take(padding)
+
 
 @dataclass(frozen=True)
-class RaggedKeep:
+class KeptIndex:
+    """Entries kept per head, ``index`` [B, H, n] ascending: what scoring methods choose (they return the bare
+    tensor; :func:`as_keep` wraps it)."""
+
+    index: torch.Tensor
+
+    protectable: ClassVar[bool] = True
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.gather(-1, self.index)
+
+    def removed(self, positions: torch.Tensor) -> torch.Tensor:
+        """[H, T] True on batch 0's entries this keep drops."""
+        return torch.ones_like(positions[0], dtype=torch.bool).scatter_(-1, self.index[0], False)
+
+    def record(self, ledger: EvictionLedger, layer_idx: int, step: int, positions: torch.Tensor) -> None:
+        ledger.record(layer_idx, step, positions[0][self.removed(positions)].view(positions.shape[1], -1))
+
+    def keep_in(self, storage: KVStorage, new_storage: Callable[[], KVStorage]) -> KVStorage:
+        storage.keep(self.index)
+        return storage
+
+    def padding_after(self, padding: torch.Tensor | None) -> torch.Tensor | None:
+        return None if padding is None else self.take(padding)
+
+
+@dataclass(frozen=True)
+class RaggedKeep(KeptIndex):
     """Entries kept when heads keep different numbers (head-adaptive budgets such as AdaKV).
 
     ``index`` [B, H, n_max] holds each head's kept entries in ascending order, padded at the end by repeating the
@@ -88,8 +146,9 @@ class RaggedKeep:
     entries as held, which is what a varlen layout (AdaKV's flattened heads) stores.
     """
 
-    index: torch.Tensor
     valid: torch.Tensor
+
+    protectable: ClassVar[bool] = False  # heads keep different counts: a protected span cannot be added to each
 
     @classmethod
     def from_mask(cls, keep: torch.Tensor) -> RaggedKeep:
@@ -104,20 +163,37 @@ class RaggedKeep:
         last = ranked.gather(-1, (counts - 1).clamp_min(0))
         return cls(torch.where(valid, ranked[..., :width], last), valid)
 
+    def record(self, ledger: EvictionLedger, layer_idx: int, step: int, positions: torch.Tensor) -> None:
+        ledger.record_per_head(layer_idx, step, positions[0], self.removed(positions))
+
+    def padding_after(self, padding: torch.Tensor | None) -> torch.Tensor | None:
+        """The padded layout's padding slots (and any the kept entries already were), or None when there are none."""
+        after = ~self.valid if padding is None else padding.gather(-1, self.index) | ~self.valid
+        return after if bool(after.any()) else None
+
 
 @dataclass(frozen=True)
-class MergedKeep:
+class MergedKeep(KeptIndex):
     """Entries kept with new contents (merging methods): ``index`` [B, H, n] ascending as for a plain keep, and the
     kept entries' merged ``keys`` and ``values`` [B, H, n, D], which the cache stores afresh in its storage's format."""
 
-    index: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
 
+    protectable: ClassVar[bool] = False  # a merged entry holds dropped tokens too
 
-def take_ranges(tensor: torch.Tensor, spans: tuple[tuple[int, int], ...], dim: int) -> torch.Tensor:
-    """The entries of ``tensor`` along ``dim`` within ``spans``, in one copy."""
-    return torch.cat([tensor.narrow(dim, start, end - start) for start, end in spans], dim=dim)
+    def keep_in(self, storage: KVStorage, new_storage: Callable[[], KVStorage]) -> KVStorage:
+        stored = new_storage()
+        stored.append(self.keys, self.values)
+        return stored
+
+
+Keep = KeptRanges | KeptIndex  # RaggedKeep and MergedKeep are KeptIndex kinds
+
+
+def as_keep(kept: torch.Tensor | Keep) -> Keep:
+    """A method's choice as a keep: the bare index tensor scoring methods return becomes a :class:`KeptIndex`."""
+    return KeptIndex(kept) if isinstance(kept, torch.Tensor) else kept
 
 
 class KVStorage:

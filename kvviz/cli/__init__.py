@@ -15,6 +15,7 @@ import traceback
 
 from kvviz.cli.options import UsageError
 from kvviz.engine.session import PromptError
+from kvviz.engine.startup import apply_settings
 from kvviz.methods import SpecError
 from kvviz.runtime.models import ModelError
 from kvviz.runtime.settings import SettingsError
@@ -35,21 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configure_presses_from_settings() -> None:
-    """Hand the server's own kvpress presses (KVVIZ_PRESSES, KVVIZ_ALLOW_PRESSES) to the methods, which read no
-    environment themselves."""
-    from kvviz.methods.kvpress.catalog import configure_presses
-    from kvviz.runtime.settings import Settings
-
-    settings = Settings.from_env()
-    configure_presses(settings.presses, settings.custom_presses_allowed)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; argparse itself exits 2 on a malformed command line."""
     args = build_parser().parse_args(argv)
     try:
-        configure_presses_from_settings()
+        apply_settings()
         return args.handler(args)
     except USER_MISTAKES as error:
         print(f"error: {error}", file=sys.stderr)

@@ -5,13 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 from kvviz.cli.options import UsageError
-
-Progress = Callable[[float, str], None]
+from kvviz.runtime.progress import Progress
 
 
 def write_json(path: str | None, data: dict) -> None:

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     """The turns through one prefix cache, then the kept-set overlap of the first two questions; with ``--json -``
     stdout holds the JSON alone."""
     from kvviz.runs import PrefixSharingRequest, PrefixTurnsRequest
-    from kvviz.runtime.prefix import DEFAULT_QUESTIONS, default_preamble, turn_ids
+    from kvviz.studies.prefix_reuse import DEFAULT_QUESTIONS, default_preamble, turn_ids
     from kvviz.studies.prefix_sharing import DEFAULT_METHODS
 
     preamble = options.read_text(args.preamble_file) if args.preamble_file else default_preamble()

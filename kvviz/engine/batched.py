@@ -26,16 +26,16 @@ from kvviz.engine.session import (
     capture_for,
     decode_group,
     fork_rows,
-    full_first,
     group_results,
+    reference_first,
 )
 from kvviz.methods import MethodStack
 from kvviz.planning.memory import model_card
 from kvviz.runtime.batch import Row
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.prefix import prefill_together, prefix_cache_for
-from kvviz.runtime.replay import Progress
-from kvviz.runtime.together import PREFILL_TOKENS, shared_decoder
+from kvviz.runtime.prefill import prefill_together
+from kvviz.runtime.progress import Progress, share
+from kvviz.runtime.together import PREFILL_TOKENS
 
 # Rows one forward feeds at most. On the 2-core CPU a step's linear layers cost about the same for 12 rows as for
 # 96 (they are bound by reading the weights) while each row's attention and cache updates are paid per row; on an
@@ -79,14 +79,14 @@ def _prefill(loaded: LoadedModel, sessions: list[PromptSession], stacks: list[Me
         for session in sessions:
             session.prefill(capture)
         return
-    prefix = prefix_cache_for(loaded) if sessions and sessions[0].reuse_prefix else None
+    prefix = loaded.prefix_cache if sessions and sessions[0].reuse_prefix else None
     pending = sorted(sessions, key=lambda s: len(s.prompt_ids))
     while pending:
         taken = [pending.pop(0)]
         while pending and len(pending[0].prompt_ids) * (len(taken) + 1) <= PREFILL_TOKENS:
             taken.append(pending.pop(0))
-        for session, run in zip(taken, prefill_together(loaded, [s.prompt_ids for s in taken], prefix),
-                                strict=True):
+        runs = prefill_together(loaded.model, loaded.device, [s.prompt_ids for s in taken], prefix)
+        for session, run in zip(taken, runs, strict=True):
             if isinstance(run, BaseException):
                 raise run
             session.adopt(run)
@@ -100,25 +100,23 @@ def decode_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], specs:
     SpecError or PromptError before any model work; a configuration that fails on a prompt is that result's
     ``error``, and the others go on.
     """
-    stacks = full_first(specs)
+    stacks = reference_first(specs)
     sessions_of = [PromptSession(loaded, list(ids), reuse_prefix) for ids in prompts]  # PromptError first
     rows_per_prompt = len(stacks) * (2 if mode == BOTH else 1)  # BOTH: a teacher-forced twin per row at most
     planned = waves(loaded, [len(ids) for ids in prompts], rows_per_prompt, max_new_tokens)
     results: list[list[MethodResult]] = []
     for number, wave in enumerate(planned):
-        def report(fraction: float, message: str, number: int = number, wave: range = wave) -> None:
-            if progress is not None:
-                progress((number + fraction) / len(planned),
-                         f"prompts {wave.start + 1}-{wave.stop} of {len(prompts)}: {message}")
-
+        report = share(progress, number / len(planned), (number + 1) / len(planned),
+                       f"prompts {wave.start + 1}-{wave.stop} of {len(prompts)}: ")
         sessions = [sessions_of[index] for index in wave]
         with loaded.lock:  # released before the decode: the running batch takes it step by step
-            report(0.0, "prefilling")
+            if report is not None:
+                report(0.0, "prefilling")
             _prefill(loaded, sessions, stacks)
             rows = [fork_rows(session, stacks) for session in sessions]
         groups = [decode_group(session, prompt_rows, max_new_tokens, mode, progress=report if index == 0 else None)
                   for index, (session, prompt_rows) in enumerate(zip(sessions, rows, strict=True))]
-        shared_decoder(loaded).decode(*groups)
+        loaded.decoder.decode(*groups)
         for group in groups:
             if group.error is not None:  # cancelled, or the forward ran out of memory
                 raise group.error

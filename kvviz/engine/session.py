@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvviz.cache.architecture import ArchitectureStorage, axis_factors
-from kvviz.cache.attention import listened, listening
+from kvviz.cache.attention import AttentionListener
 from kvviz.cache.capture import CaptureConfig, recording_layer_inputs
 from kvviz.cache.kvcache import KVCache
 from kvviz.cache.ledger import EvictionLedger
@@ -28,9 +29,11 @@ from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.batch import ROW_ERRORS, DecodeGroup, Row
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.prefix import PrefixPrefill, prefill_with_prefix, prefix_cache_for, reusable_tokens
-from kvviz.runtime.replay import DecodeTrace, Progress, Sampling, decode, eos_token_ids
-from kvviz.runtime.together import shared_decoder, shared_prefill
+from kvviz.runtime.prefill import PrefixPrefill, prefill_with_prefix, reusable_tokens
+from kvviz.runtime.progress import Progress, share
+from kvviz.runtime.replay import DecodeTrace, Sampling, decode, eos_token_ids
+
+FORKING = 0.05  # the share of a batched comparison's progress bar its forks take (its decode takes the rest)
 
 
 class PromptError(ValueError):
@@ -101,8 +104,9 @@ class PromptSession:
     def num_layers(self) -> int:
         return self.card.layers
 
-    def prefill(self, capture: CaptureConfig | None = None) -> Prefill:
-        """Run the prompt once into a dense cache; reuse it while the capture asked for is covered."""
+    def prefill(self, capture: CaptureConfig | None = None, listeners: Sequence[AttentionListener] = ()) -> Prefill:
+        """Run the prompt once into a dense cache; reuse it while the capture asked for is covered. ``listeners``
+        see the prompt's attention beside the capture's recorder (when it runs)."""
         covered = capture is None or (self._capture is not None and self._capture.covers(capture))
         if self._prefill is not None and covered:
             return self._prefill
@@ -110,9 +114,10 @@ class PromptSession:
         recorder = StatsRecorder(capture, len(self.prompt_ids)) if capture is not None else None
         inputs = (recording_layer_inputs(self.loaded.model, recorder.stats.layer_inputs)
                   if capture is not None and capture.layer_inputs else contextlib.nullcontext())
-        with listening(*([recorder] if recorder else [])), inputs:
-            run = prefill_with_prefix(self.loaded, self.prompt_ids,
-                                      prefix_cache_for(self.loaded) if self.reuse_prefix else None, limit)
+        with inputs:
+            run = prefill_with_prefix(self.loaded.model, self.loaded.device, self.prompt_ids,
+                                      self.loaded.prefix_cache if self.reuse_prefix else None, limit,
+                                      listeners=[*listeners, *([recorder] if recorder else [])])
         self._prefill = Prefill(run.cache, run.last_logits, recorder.finish() if recorder else None, run.seconds,
                                 run.lookup.reused_tokens)
         self._capture = capture
@@ -121,7 +126,7 @@ class PromptSession:
     def prefill_shared(self) -> None:
         """Prefill the prompt in the model's shared prefill, in one forward with other runs' prompts waiting then
         (:class:`kvviz.runtime.together.SharedPrefill`); for a prompt nobody records, called without the lock."""
-        self.adopt(shared_prefill(self.loaded).prefill(self.prompt_ids, self.reuse_prefix))
+        self.adopt(self.loaded.prefills.prefill(self.prompt_ids, self.reuse_prefix))
 
     def adopt(self, run: PrefixPrefill) -> None:
         """Take a prefill of this prompt that ran elsewhere (in a forward shared with other prompts), with no
@@ -224,17 +229,18 @@ def compare(
     with its error while the others still complete.
 
     ``batched`` (the default, on every device): one prefill, then every method decodes in one batch, one forward per
-    step for all of them (:mod:`kvviz.runtime.batch`); a method's teacher-forced twin joins at the step it first parts
-    from full, and each result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False``
+    step for all of them (:mod:`kvviz.runtime.batch`); at the step a method first parts from full, its teacher-forced
+    twin joins (a copy of its cache fed full's tokens from then on, which its agreement and KL are scored on), and
+    each result's ``seconds`` is its fork plus its share of the batch's forwards. ``batched=False``
     decodes the methods one after another after the same prefill: the baseline the tests and the bench compare
     against. Both give the same tokens, ledgers and bytes (tests/test_batched.py). ``reuse_prefix``: the
     prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
     re-runs only the tail; see :mod:`kvviz.runtime.prefix`).
     """
-    stacks = full_first(specs)  # SpecError before any work
+    stacks = reference_first(specs)
     capture = capture_for(stacks)  # one capture serves every method: forks never re-prefill
     session = PromptSession(loaded, prompt_ids, reuse_prefix)
-    if capture is None and not listened():  # nothing records the prompt: it may share a forward with others'
+    if capture is None:  # nothing records the prompt: it may share a forward with others'
         session.prefill_shared()
     with loaded.lock:  # released before a batched decode: the running batch takes it step by step
         prefill = session.prefill(capture)
@@ -246,12 +252,21 @@ def compare(
     quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
     if batched:
         group = decode_group(session, rows, max_new_tokens, BOTH, sampling, progress)
-        shared_decoder(loaded).decode(group)
+        loaded.decoder.decode(group)
         if group.error is not None:  # this run's step failed (cancelled, or the forward ran out of memory)
             raise group.error
         results = group_results(session, rows, BOTH)
     return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,
                       quantization)
+
+
+def reference_first(specs: Sequence[str]) -> list[MethodStack]:
+    """The SPECs parsed (a SpecError before any work) with ``full`` first, added if missing: every other method is
+    scored against it."""
+    stacks = [parse_spec(spec) for spec in specs]
+    if not any(s.label == "full" for s in stacks):
+        stacks.insert(0, parse_spec("full"))
+    return sorted(stacks, key=lambda s: s.label != "full")
 
 
 def _error_result(label: str, error: BaseException) -> MethodResult:
@@ -265,21 +280,15 @@ def _score(result: MethodResult, reference_logprobs: list[torch.Tensor], logprob
     result.kl_per_step, result.mean_kl = scores.kl_per_step, scores.mean_kl
 
 
-def full_first(specs: list[str]) -> list[MethodStack]:
-    """The stacks of ``specs`` with ``full`` first (added if missing): every run's reference. SpecError for a bad
-    SPEC, before any model work."""
-    stacks = [parse_spec(spec) for spec in specs]
-    return [parse_spec("full")] + [s for s in stacks if s.label != "full"]
-
-
 def fork_rows(session: PromptSession, stacks: list[MethodStack], progress: Progress | None = None) -> list[Row]:
     """Every method's cache forked from the shared prefill (full first: it is the reference); a method that cannot
     fork is a row with its error."""
     first_logits = session.prefill(session._capture).last_logits
+    forking = share(progress, 0.0, FORKING)
     rows = []
     for index, stack in enumerate(stacks):
-        if progress is not None:
-            progress(0.05 * index / len(stacks), f"{stack.label}: compressing the prompt")
+        if forking is not None:
+            forking(index / len(stacks), f"{stack.label}: compressing the prompt")
         started = time.perf_counter()
         try:
             rows.append(Row(stack, session.fork(stack), first_logits, seconds=time.perf_counter() - started))
@@ -302,9 +311,8 @@ def decode_group(session: PromptSession, rows: list[Row], max_new_tokens: int, m
     if mode == FORCED and full is not None:
         for row in rows[1:]:
             row.follows = full
-    report = None if progress is None else (lambda fraction, message: progress(0.05 + 0.95 * fraction, message))
-    return DecodeGroup(rows, max_new_tokens, session.eos_ids, sampling, keep_logprobs=mode != FREE, progress=report,
-                       reference=full if mode == BOTH else None)
+    return DecodeGroup(rows, max_new_tokens, session.eos_ids, sampling, keep_logprobs=mode != FREE,
+                       progress=share(progress, FORKING, 1.0), reference=full if mode == BOTH else None)
 
 
 def group_results(session: PromptSession, rows: list[Row], mode: str) -> list[MethodResult]:
@@ -336,21 +344,17 @@ def _compare_sequential(session: PromptSession, stacks: list[MethodStack], max_n
     reference: MethodResult | None = None
     reference_logprobs: list[torch.Tensor] = []
     for index, stack in enumerate(stacks):
-        def report(fraction: float, message: str, index: int = index, label: str = stack.label) -> None:
-            if progress is not None:
-                progress((index + fraction) / len(stacks), f"{label}: {message}")
-
+        report = share(progress, index / len(stacks), (index + 1) / len(stacks), f"{stack.label}: ")
         try:
-            share = 1.0 if reference is None else 0.5  # the second half for a teacher-forced decode
+            free_running = 1.0 if reference is None else 0.5  # the second half for a teacher-forced decode
             result, trace = session.run(stack, max_new_tokens, sampling, keep_logprobs=True,
-                                        progress=lambda f, m, s=share, r=report: r(f * s, m))
+                                        progress=share(report, 0.0, free_running))
             if reference is None and stack.label == "full":
                 reference, reference_logprobs = result, trace.step_logprobs
             logprobs = trace.step_logprobs
             if reference is not None and result.token_ids != reference.token_ids:
                 _, forced = session.run(stack, max_new_tokens, sampling, forced_tokens=reference.token_ids,
-                                        keep_logprobs=True,
-                                        progress=lambda f, m, r=report: r(0.5 + f / 2, f"teacher-forced {m}"))
+                                        keep_logprobs=True, progress=share(report, 0.5, 1.0, "teacher-forced "))
                 logprobs = forced.step_logprobs
             if reference is not None:
                 _score(result, reference_logprobs, logprobs)

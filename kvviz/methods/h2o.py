@@ -39,10 +39,8 @@ class H2O(EvictionMethod):
     summary = ("Heavy hitters: keep the tokens with the most attention accumulated per KV head over all queries so "
                "far, plus the most recent ones (0.1 + 0.1 is the paper's 20% setting).")
     params = (
-        Param("heavy", Budget, 0.1, "heavy-hitter tokens: a count (64)"
-                                    " or, with a decimal point, a ratio of the current length (0.1)"),
-        Param("recent", Budget, 0.1, "recent tokens always kept: a count (64)"
-                                     " or, with a decimal point, a ratio of the current length (0.1)"),
+        Param("heavy", Budget, 0.1, "heavy-hitter tokens", ratio_of="the current length"),
+        Param("recent", Budget, 0.1, "recent tokens always kept", ratio_of="the current length"),
     )
     schedule = Schedule(Decode.AFTER_ATTENTION, prefill_attention=True)
 

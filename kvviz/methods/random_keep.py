@@ -13,8 +13,7 @@ class RandomKeep(ScoringEviction):
     name = "random"
     summary = "Control: keep a random subset per KV head within the budget; the newest token always stays."
     params = (
-        Param("budget", Budget, 512, "tokens kept per head: a count (512)"
-                                     " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),
+        Param("budget", Budget, 512, "tokens kept per head"),
         Param("seed", int, 0, "random seed (each layer draws its own stream)", min=0, max=2**31 - 1),
     )
 

@@ -32,8 +32,7 @@ class SnapKV(ScoringEviction):
                "(pooled along the sequence, GQA groups averaged); the window itself is always kept.")
     schedule = Schedule(Decode.NEVER)  # each instance adds its observation window (see __init__)
     params = (
-        Param("budget", Budget, 1024, "tokens kept per head including the window: a count (256)"
-                                      " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),
+        Param("budget", Budget, 1024, "tokens kept per head including the window"),
         Param("window", int, 32, "observation window: last prompt queries that vote (paper 32; kvpress 64)",
               min=1, max=8192),
         Param("kernel", int, 7, "pooling kernel along the sequence, odd (paper 7; kvpress 5)", min=1, max=255),
@@ -49,8 +48,7 @@ class SnapKV(ScoringEviction):
             raise SpecError(f"bad value in 'snapkv:kernel={self.kernel}': the pooling kernel must be odd")
         if not self.budget.is_ratio and self.budget.value <= self.window:
             raise SpecError(f"snapkv budget {self.budget} (a token count) must exceed the observation window "
-                            f"{self.window} (the window is always kept); a decimal point makes it a ratio "
-                            "of the prompt (0.5, 1.0 = all)")
+                            f"{self.window} (the window is always kept); a budget is {Budget.rule()}")
 
     def check_context(self, prompt_length: int) -> None:
         budget = self.budget.tokens(prompt_length)

@@ -15,8 +15,7 @@ class StreamingLLM(EvictionMethod):
                "rerotate=1 gives cached keys their positions inside the cache, as the paper does.")
     params = (
         Param("sinks", int, 4, "first tokens always kept (reference start_size 4)", min=0, max=1024),
-        Param("window", Budget, 512, "recent tokens kept: a count (512, the reference)"
-                                     " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),
+        Param("window", Budget, 512, "recent tokens kept (512: the reference)"),
         Param("rerotate", bool, True, "1: re-apply RoPE so keys take in-cache positions; 0: keep absolute positions"),
     )
 

@@ -13,8 +13,7 @@ class TOVA(ScoringEviction):
     name = "tova"
     summary = ("Token omission via attention: whenever the cache is over budget, drop the tokens with the lowest "
                "attention from the newest query, averaged over all heads of the layer.")
-    params = (Param("budget", Budget, 512, "tokens kept per layer: a count (512)"
-                                           " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),)
+    params = (Param("budget", Budget, 512, "tokens kept per layer"),)
     schedule = Schedule(Decode.AFTER_ATTENTION, windows=(1,))
 
     def prefill_scores(self, view: LayerView, stats) -> torch.Tensor:

@@ -24,8 +24,7 @@ def sinks_and_recent(view: LayerView, sinks: int, recent: int) -> KeptRanges | N
 class Window(EvictionMethod):
     name = "window"
     summary = "Keep only the most recent tokens (no sinks): the failure case StreamingLLM explains."
-    params = (Param("window", Budget, 512, "recent tokens kept: a count (512)"
-                                           " or, with a decimal point, a ratio of the prompt (0.25; 1.0 = all)"),)
+    params = (Param("window", Budget, 512, "recent tokens kept"),)
 
     def select(self, view: LayerView) -> KeptRanges | None:
         return sinks_and_recent(view, 0, self.window.tokens(view.prompt_length))

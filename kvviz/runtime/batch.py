@@ -9,9 +9,11 @@ once and attention runs per row over that row's own keys (a row whose method sco
 TOVA, gets its own probabilities; the others stay on SDPA).
 
 A row that fails inside its own update or selection is reported and leaves the batch; the others go on, because
-nothing of one row mixes with another's. :class:`DecodeGroup` is one run's rows (a comparison's configurations and
-their teacher-forced twins); :func:`step_groups` feeds any number of groups in one forward, which is how
-:mod:`kvviz.runtime.together` lets runs of different users decode together.
+nothing of one row mixes with another's. :class:`DecodeGroup` is one run's rows: a comparison's configurations and
+their teacher-forced *twins* (a twin is a copy of a configuration's cache, made at the step where that configuration
+first chooses another token than full, then fed full's tokens, so that its distributions can be scored against
+full's: agreement and KL are teacher-forced). :func:`step_groups` feeds any number of groups in one forward, which is
+how :mod:`kvviz.runtime.together` lets runs of different users decode together.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from kvviz.cache.attention import KeyPart
 from kvviz.cache.kvcache import FirstUpdateLayer, KVCache
 from kvviz.cache.spec import MethodStack, SpecError
 from kvviz.runtime.faults import is_out_of_memory
-from kvviz.runtime.replay import DecodeTrace, Progress, Sampling
+from kvviz.runtime.progress import Progress
+from kvviz.runtime.replay import DecodeTrace, Sampling
 
 ROW_ERRORS = (SpecError, RuntimeError, ValueError, IndexError)  # what fails one row without failing the others
 
@@ -96,10 +99,10 @@ class BatchLayer(FirstUpdateLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.parts = []
-        fed = self.batch.fed
+        counts = self.batch.query_counts
         for index, row in enumerate(self.batch.rows):
             rows = slice(index, index + 1)
-            queries = None if fed is None else fed[index]
+            queries = None if counts is None else counts[index]
             keys, values, hidden, listener = key_states[rows, :, :queries], value_states[rows, :, :queries], None, None
             if index not in self.batch.failures:
                 layer = row.layers[self.layer_idx]
@@ -124,12 +127,12 @@ class BatchLayer(FirstUpdateLayer):
 
 class BatchCache(Cache):
     """The rows' caches as one transformers Cache for a forward of one token per row (or of each row's prompt,
-    right-padded to the longest: ``fed`` holds each row's own count), and the key source of kvviz's attention for
-    that forward (each row attends over its own keys)."""
+    right-padded to the longest: ``query_counts`` holds each row's own count of query positions), and the key source
+    of kvviz's attention for that forward (each row attends over its own keys)."""
 
-    def __init__(self, rows: list[KVCache], fed: list[int] | None = None):
+    def __init__(self, rows: list[KVCache], query_counts: list[int] | None = None):
         self.rows = rows
-        self.fed = fed
+        self.query_counts = query_counts
         self.failures: dict[int, BaseException] = {}
         super().__init__(layers=[BatchLayer(self, i) for i in range(len(rows[0].layers))])
 
@@ -163,23 +166,23 @@ def forward_rows(model: torch.nn.Module, caches: list[KVCache], tokens: list[int
     return output.logits[:, -1], batch.failures
 
 
-def prefill_rows(model: torch.nn.Module, caches: list[KVCache], fed: list[list[int]], starts: list[int],
+def prefill_rows(model: torch.nn.Module, caches: list[KVCache], prompts: list[list[int]], starts: list[int],
                  device: str) -> tuple[torch.Tensor, dict[int, BaseException]]:
-    """Prompts of different runs in one forward: row i's tokens ``fed[i]`` at absolute positions from ``starts[i]``
+    """Prompts of different runs in one forward: row i's tokens ``prompts[i]`` at absolute positions from ``starts[i]``
     into ``caches[i]`` (dense, perhaps seeded with a reused prefix), each padded at its end to the longest. Padding
     comes after a row's tokens, which never attend to it, and is never stored. Returns each row's last-token
     logits [N, vocab] and the rows that failed."""
-    width = max(len(tokens) for tokens in fed)
-    batch = BatchCache(caches, [len(tokens) for tokens in fed])
+    width = max(len(tokens) for tokens in prompts)
+    batch = BatchCache(caches, [len(tokens) for tokens in prompts])
     rotary = []
-    for cache, tokens, start in zip(caches, fed, starts, strict=True):
+    for cache, tokens, start in zip(caches, prompts, starts, strict=True):
         position_ids, _ = cache.begin_forward(torch.arange(start, start + len(tokens)), 0)
         padding = int(position_ids[0, -1]) + 1 + torch.arange(width - len(tokens))
         rotary.append(torch.cat([position_ids[0], padding]))
-    lasts = sorted({len(tokens) - 1 for tokens in fed})  # the lm head runs on these positions only
+    lasts = sorted({len(tokens) - 1 for tokens in prompts})  # the lm head runs on these positions only
     stored = max(cache.get_seq_length() for cache in caches)
     output = model(
-        input_ids=torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in fed], device=device),
+        input_ids=torch.tensor([tokens + tokens[-1:] * (width - len(tokens)) for tokens in prompts], device=device),
         past_key_values=batch,
         key_source=batch,
         position_ids=torch.stack(rotary).to(device),
@@ -187,8 +190,8 @@ def prefill_rows(model: torch.nn.Module, caches: list[KVCache], fed: list[list[i
         use_cache=True,
         logits_to_keep=torch.tensor(lasts, device=device),
     )
-    columns = torch.tensor([lasts.index(len(tokens) - 1) for tokens in fed], device=device)
-    return output.logits[torch.arange(len(fed), device=device), columns], batch.failures
+    columns = torch.tensor([lasts.index(len(tokens) - 1) for tokens in prompts], device=device)
+    return output.logits[torch.arange(len(prompts), device=device), columns], batch.failures
 
 
 def _copy_cache(cache: KVCache) -> KVCache:
@@ -209,7 +212,7 @@ class DecodeGroup:
     tokens from then on: until that step the row saw exactly the reference's inputs, so a copy of its cache made
     before the step's token is fed holds what a teacher-forced run from the start would hold, and the twin inherits
     the row's log-probabilities so far. A step is :meth:`choose` (tokens, twins, progress), one forward shared with
-    other groups (:func:`step_groups`), then :meth:`fed`. ``error`` set by a step fails this group only.
+    other groups (:func:`step_groups`), then :meth:`after_forward`. ``error`` set by a step fails this group only.
     """
 
     def __init__(self, rows: list[Row], max_new_tokens: int, eos_ids: set[int], sampling: Sampling | None = None,
@@ -263,7 +266,7 @@ class DecodeGroup:
         self._rows_done = not self.feeding
         return self.feeding
 
-    def fed(self) -> None:
+    def after_forward(self) -> None:
         """After the forward: failed rows left; twins cannot go on once the reference they follow failed."""
         self.active = [row for row in self.feeding if row.error is None]
         if self.reference is not None and self.reference.error is not None:
@@ -296,7 +299,7 @@ def step_groups(model: torch.nn.Module, groups: list[DecodeGroup], device: str) 
         _feed(model, feeding, device)
     for group in groups:
         if group.error is None:
-            group.fed()
+            group.after_forward()
 
 
 def _feed(model: torch.nn.Module, rows: list[Row], device: str) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import torch
 
 from kvviz.cache.spec import SpecError
-from kvviz.runtime.models import ModelError
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded, with a message meant for the user (raised by :mod:`kvviz.runtime.models`)."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:

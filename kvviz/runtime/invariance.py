@@ -28,7 +28,9 @@ PROBE_ROWS = 24  # counts up to this are candidates to pad to; it must agree its
 CHECKED_ROWS = (32, 48)  # larger counts, which are never padded: where they disagree, padding cannot help
 REFERENCE_ROWS = 64  # the batch every count's rows are compared with
 
-_padding = contextvars.ContextVar("kvviz_row_padding", default=True)  # per thread: each user's run has its own
+# Per thread (each user's run has its own). The loop that feeds its rows decides, but its decision cannot travel as
+# an argument: transformers hands a model call's keywords to attention only, and nn.Linear.forward takes its input.
+_padding = contextvars.ContextVar("kvviz_row_padding", default=True)  # no argument reaches nn.Linear.forward
 
 
 @contextlib.contextmanager

@@ -15,12 +15,18 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 
+from kvviz.cache.attention import install_attention
+from kvviz.runtime.allocator import share_freed_memory
+from kvviz.runtime.faults import ModelError
+from kvviz.runtime.invariance import install_row_invariance
+from kvviz.runtime.prefix import PrefixCache
+from kvviz.runtime.together import SharedDecoder, SharedPrefill
 from kvviz.runtime.turns import FairLock
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -29,10 +35,6 @@ EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_CHECKPOINT_VERSION = "v1"  # bump when the conversion changes, so stale copies are rebuilt
 WEIGHT_MODES = ("auto", "int8", "nf4")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
-
-
-class ModelError(ValueError):
-    """A model that cannot be loaded, with a message meant for the user."""
 
 
 def cache_dir() -> Path:
@@ -200,7 +202,10 @@ def resolve_source(name: str) -> tuple[str, bool]:
 
 @dataclass
 class LoadedModel:
-    """A model ready for kvviz: weights, tokenizer and where they live. ``lock`` serialises runs on it."""
+    """A model ready for kvviz (weights, tokenizer and where they live) and the objects every run on it shares, built
+    once with it: ``lock`` serialises runs on it, handed out in arrival order (a prefill goes in between two steps of
+    a decoding batch); ``prefix_cache`` holds its prefilled blocks (:mod:`kvviz.runtime.prefix`); ``decoder`` is its
+    running batch and ``prefills`` its shared prefill (:mod:`kvviz.runtime.together`)."""
 
     name: str
     model: torch.nn.Module
@@ -209,9 +214,14 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "auto"
     row_counts: tuple[int, ...] | None = None  # what linear layers pad their rows to (kvviz.runtime.invariance)
+    lock: FairLock = field(default_factory=FairLock, init=False, repr=False, compare=False)
+    prefix_cache: PrefixCache = field(default_factory=PrefixCache, init=False, repr=False, compare=False)
+    decoder: SharedDecoder = field(init=False, repr=False, compare=False)
+    prefills: SharedPrefill = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.lock = FairLock()  # in arrival order: a prefill goes in between two steps of a decoding batch
+        self.decoder = SharedDecoder(self.model, self.device, self.lock)
+        self.prefills = SharedPrefill(self.model, self.device, self.lock, self.prefix_cache)
 
     @property
     def config(self):
@@ -250,11 +260,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from kvviz.cache.attention import install_attention
-    from kvviz.runtime.allocator import share_freed_memory
-    from kvviz.runtime.invariance import install_row_invariance
-
-    share_freed_memory()
+    share_freed_memory()  # before the weights are allocated (ready() asks again, for models built elsewhere)
     hf_logging.disable_progress_bar()
     source, is_local = resolve_source(name)
     device = resolve_device(device)
@@ -280,7 +286,16 @@ def load_model(
         raise ModelError(f"could not load {name!r} as a {where}: {str(error).splitlines()[0]}") from error
     if quantization is None:
         model.to(device)
+    return ready(name, model, tokenizer, device, torch_dtype, weights)
+
+
+def ready(name: str, model: torch.nn.Module, tokenizer, device: str, dtype: torch.dtype,
+          weights: str = "auto") -> LoadedModel:
+    """A model on its device made ready for kvviz, whatever built it (:func:`load_model`, the bench's random-weight
+    models): the threads serving runs share freed memory, the model is in eval mode with kvviz's attention, and on a
+    CPU its linear layers pad rows to batch-independent counts (:mod:`kvviz.runtime.invariance`)."""
+    share_freed_memory()
     model.eval()
     install_attention(model)
-    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=torch_dtype, weights=weights,
+    return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, weights=weights,
                        row_counts=install_row_invariance(model, device))

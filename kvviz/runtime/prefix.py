@@ -1,79 +1,27 @@
-"""Prefix reuse: prefilled KV kept in fixed-size token blocks, keyed by a chained hash, as vLLM's prefix cache does.
+"""The prefix cache: prefilled KV kept in fixed-size token blocks, keyed by a chained hash, as vLLM's prefix cache does.
 
 A block's key hashes its tokens together with its parent block's key, so a key names the block *and everything
 before it*: changing one token changes that block's key and every later one, and a lookup walks the prompt's
-blocks from the start until the first miss. A prompt then feeds only the tokens after its longest cached block
-prefix, at their absolute positions, into a cache seeded with the reused blocks. Only whole blocks are stored, and
-at least one token is always fed (its logits are the answer's first token). A salt starts the chain somewhere else,
+blocks from the start until the first miss. Only whole blocks are stored. A salt starts the chain somewhere else,
 which keeps namespaces (users, adapters) apart. Blocks are evicted least recently used first under a byte budget;
-a chain's tail is evicted before its head, so a partly evicted chain still serves its first blocks.
-
-What a partial prefill can serve: the fed tokens' queries see every key (the reused ones too), so anything computed
-from the *last* queries is exact, and an observation window (SnapKV, TOVA) is served when the fed tail covers it.
-Statistics over every query (H2O's received attention, sink mass per query, attention matrices) and kvpress's
-layer inputs need the reused tokens' queries or hidden states, which a reused block does not have: such captures
-prefill the whole prompt (:func:`reusable_tokens` says 0).
+a chain's tail is evicted before its head, so a partly evicted chain still serves its first blocks. Prefilling a
+prompt through the cache (feeding only what it does not hold) is :mod:`kvviz.runtime.prefill`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.kvcache import KVCache
-from kvviz.runtime.batch import prefill_rows
-from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.replay import forward_step
 
 BLOCK_TOKENS = 16  # vLLM's default block size
 BUDGET_BYTES = 512 * 2**20  # per loaded model: about 11K tokens of SmolLM2-135M in float32
-PREAMBLE_FILE = Path(__file__).resolve().parents[2] / "assets" / "prefix_preamble.txt"
-DEFAULT_QUESTIONS = (
-    "Can I take my bicycle and a kayak on the 14:00 sailing to the Rock, and what will that cost?",
-    "I use a wheelchair and I am driving to Kilmory in August. How do I board?",
-)
-TIMESTAMP = "Current date and time: 2026-11-29 22:41:07 UTC."
-
-
-def default_preamble() -> str:
-    """A help-desk system prompt with few-shot examples in ChatML (about 1.1K SmolLM2 tokens)."""
-    return PREAMBLE_FILE.read_text(encoding="utf-8")
-
-
-def question_turn(preamble: str, question: str) -> str:
-    """The text appended to ``preamble`` to ask ``question``: a ChatML user turn when the preamble is ChatML."""
-    if "<|im_start|>" in preamble:
-        return f"<|im_start|>user\n{question.strip()}<|im_end|>\n<|im_start|>assistant\n"
-    return f"\nQuestion: {question.strip()}\nAnswer:"
-
-
-def turn_ids(tokenizer, preamble: str, question: str) -> tuple[list[int], list[int]]:
-    """Preamble and question tokenized apart, so every question's prompt starts with the very same preamble ids
-    (tokenizing the joined text could merge tokens across the seam)."""
-    return ([int(i) for i in tokenizer(preamble)["input_ids"]],
-            [int(i) for i in tokenizer(question_turn(preamble, question))["input_ids"]])
-
-
-def edit_preamble(preamble: str, edit: str, line: int) -> str:
-    """The preamble with one byte-level change after its line ``line`` (0-based): ``timestamp`` inserts a date line,
-    ``reorder`` swaps that line with the next one. Every block from the change on gets a new hash."""
-    lines = preamble.split("\n")
-    line = max(0, min(line, len(lines) - 2))
-    if edit == "timestamp":
-        lines.insert(line + 1, TIMESTAMP)
-    elif edit == "reorder":
-        lines[line], lines[line + 1] = lines[line + 1], lines[line]
-    else:
-        raise ValueError(f"unknown edit {edit!r}; choose timestamp or reorder")
-    return "\n".join(lines)
 
 
 def block_hashes(token_ids: list[int], block_tokens: int = BLOCK_TOKENS, salt: str = "") -> list[str]:
@@ -88,18 +36,6 @@ def block_hashes(token_ids: list[int], block_tokens: int = BLOCK_TOKENS, salt: s
         parent = hashlib.sha256(parent + block).digest()
         hashes.append(parent.hex())
     return hashes
-
-
-def reusable_tokens(capture: CaptureConfig | None, prompt_length: int) -> int:
-    """How many leading prompt tokens may come from the prefix cache while still serving ``capture``.
-
-    The last token is always fed; an observation window's queries must all be fed; captures over every query or
-    every token's hidden state (see the module docstring) allow none.
-    """
-    if capture is not None and (capture.all_queries or capture.matrices or capture.layer_inputs):
-        return 0
-    window = capture.window_rows if capture is not None else 0
-    return max(0, prompt_length - max(1, window))
 
 
 @dataclass
@@ -264,183 +200,3 @@ class PrefixCache:
             _, block = self._blocks.popitem(last=False)
             self._bytes -= block.nbytes
             self.stats.evicted_blocks += 1
-
-
-def prefix_cache_for(loaded: LoadedModel) -> PrefixCache:
-    """The prefix cache shared by every run on ``loaded`` (made on first use)."""
-    with loaded.lock:
-        cache = getattr(loaded, "prefix_cache", None)
-        if cache is None:
-            cache = PrefixCache()
-            loaded.prefix_cache = cache
-        return cache
-
-
-@dataclass
-class PrefixPrefill:
-    """A prompt prefilled through a prefix cache: the dense cache, last logits, the block table, the time taken."""
-
-    cache: KVCache
-    last_logits: torch.Tensor
-    lookup: PrefixLookup
-    seconds: float
-
-
-def _sync(device: str) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _seeded(prefix: PrefixCache | None, token_ids: list[int], limit: int | None,
-            num_layers: int) -> tuple[PrefixLookup, KVCache]:
-    """The prompt's block table and a cache holding its reused blocks (nothing reused without a prefix cache)."""
-    if prefix is None:
-        lookup, cache = PrefixLookup(len(token_ids), BLOCK_TOKENS, [], 0), KVCache(num_layers)
-    else:
-        lookup = prefix.lookup(token_ids, limit)
-        cache = prefix.seed(lookup, num_layers)
-    cache.prompt_length = len(token_ids)
-    return lookup, cache
-
-
-def prefill_with_prefix(loaded: LoadedModel, token_ids: list[int], prefix: PrefixCache | None,
-                        limit: int | None = None, store: bool = True) -> PrefixPrefill:
-    """Prefill ``token_ids``, reusing ``prefix``'s longest block prefix (within ``limit`` tokens) and feeding only
-    the rest; store the new whole blocks after. ``prefix=None`` is a fresh prefill (every block a miss).
-
-    Attention listeners active around the call see the fed tokens' queries only (see :func:`reusable_tokens`).
-    """
-    _sync(loaded.device)
-    started = time.perf_counter()
-    lookup, cache = _seeded(prefix, token_ids, limit, loaded.config.num_hidden_layers)
-    start = lookup.reused_tokens
-    with torch.inference_mode():
-        logits = forward_step(loaded.model, cache, token_ids[start:], start, 0, loaded.device)
-    _sync(loaded.device)
-    seconds = time.perf_counter() - started
-    if prefix is not None and store:
-        prefix.store(token_ids, cache)
-    return PrefixPrefill(cache, logits, lookup, seconds)
-
-
-def prefill_together(loaded: LoadedModel, prompts: list[list[int]],
-                     prefix: PrefixCache | None) -> list[PrefixPrefill | BaseException]:
-    """Several runs' prompts in one forward (:func:`kvviz.runtime.batch.prefill_rows`), each reusing its own longest
-    cached prefix and storing its new blocks after, as :func:`prefill_with_prefix` does alone; nobody listens to
-    their attention. Each result's ``seconds`` is the whole forward's, which is how long each prompt waited for its
-    first token. A row that failed gets its error in place of its prefill."""
-    if len(prompts) == 1:
-        return [prefill_with_prefix(loaded, prompts[0], prefix)]
-    _sync(loaded.device)
-    started = time.perf_counter()
-    seeded = [_seeded(prefix, tokens, None, loaded.config.num_hidden_layers) for tokens in prompts]
-    starts = [lookup.reused_tokens for lookup, _ in seeded]
-    caches = [cache for _, cache in seeded]
-    with torch.inference_mode():
-        logits, failures = prefill_rows(loaded.model, caches, [t[s:] for t, s in zip(prompts, starts, strict=True)],
-                                        starts, loaded.device)
-    _sync(loaded.device)
-    seconds = time.perf_counter() - started
-    results: list[PrefixPrefill | BaseException] = []
-    for index, (tokens, (lookup, cache)) in enumerate(zip(prompts, seeded, strict=True)):
-        if index in failures:
-            results.append(failures[index])
-            continue
-        if prefix is not None:
-            prefix.store(tokens, cache)
-        results.append(PrefixPrefill(cache, logits[index], lookup, seconds))
-    return results
-
-
-@dataclass
-class TurnResult:
-    """One prompt of a conversation sharing a preamble: its block table, time to first token fresh and with reuse,
-    and how far the reused logits are from the fresh ones."""
-
-    label: str
-    prompt_tokens: int
-    lookup: PrefixLookup
-    ttft_fresh: float
-    ttft_reused: float
-    max_logit_diff: float
-    same_next_token: bool
-    kv_bytes: int
-
-    @property
-    def speedup(self) -> float:
-        return self.ttft_fresh / self.ttft_reused if self.ttft_reused > 0 else float("inf")
-
-
-@dataclass
-class ReuseReport:
-    """Turns run through one fresh prefix cache, in order."""
-
-    block_tokens: int
-    turns: list[TurnResult] = field(default_factory=list)
-
-    def to_rows(self) -> list[dict]:
-        return [{"turn": t.label, "prompt_tokens": t.prompt_tokens, "hit_blocks": t.lookup.hits,
-                 "miss_blocks": t.lookup.misses, "reused_tokens": t.lookup.reused_tokens,
-                 "ttft_fresh_s": t.ttft_fresh, "ttft_reused_s": t.ttft_reused,
-                 "max_logit_diff": t.max_logit_diff, "same_next_token": t.same_next_token} for t in self.turns]
-
-    def block_tables(self) -> list[list[str]]:
-        """Per turn, each block's status (hit, miss, recomputed, partial)."""
-        return [[b.status for b in t.lookup.blocks] for t in self.turns]
-
-    def lines(self) -> list[str]:
-        """One line per turn: blocks hit, tokens reused, time to first token with and without reuse."""
-        return [f"  {t.label[:48]!r}: {t.prompt_tokens} tokens, {t.lookup.hits}/{len(t.lookup.blocks)} blocks hit "
-                f"({t.lookup.reused_tokens} tokens reused), TTFT {t.ttft_reused * 1000:.0f} ms vs "
-                f"{t.ttft_fresh * 1000:.0f} ms fresh ({t.ttft_reused / t.ttft_fresh:.2f}x), "
-                f"max |logit diff| {t.max_logit_diff:.2e}" for t in self.turns]
-
-
-def run_turns(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] | None = None,
-              block_tokens: int = BLOCK_TOKENS, repeats: int = 1, progress=None) -> ReuseReport:
-    """Run ``prompts`` in order through a new prefix cache (so the first one misses everywhere): each turn is timed
-    fresh and with reuse (best of ``repeats``, alternated so a slow spell of a shared machine hits both) and its
-    reused logits compared with the fresh ones. Hold ``loaded.lock`` or call from one thread per model."""
-    prefix = PrefixCache(block_tokens=block_tokens, budget_bytes=2**62)
-    report = ReuseReport(block_tokens)
-    prefill_with_prefix(loaded, prompts[0][:block_tokens], None)  # warm-up: the first forward pays one-off costs
-    labels = labels or [f"turn {i + 1}" for i in range(len(prompts))]
-    for turn, (label, ids) in enumerate(zip(labels, prompts, strict=True)):
-        if progress is not None:
-            progress(turn / len(prompts), f"{label}: prefill fresh and with reuse")
-        fresh_times, reused_times = [], []
-        fresh = reused = None
-        for _ in range(max(1, repeats)):  # repeats reuse the same blocks: nothing is stored until the turn ends
-            fresh = prefill_with_prefix(loaded, ids, None)
-            fresh_times.append(fresh.seconds)
-            reused = prefill_with_prefix(loaded, ids, prefix, store=False)
-            reused_times.append(reused.seconds)
-        prefix.store(ids, reused.cache)
-        diff = float((reused.last_logits.float() - fresh.last_logits.float()).abs().max())
-        report.turns.append(TurnResult(label, len(ids), reused.lookup, min(fresh_times), min(reused_times), diff,
-                                       int(reused.last_logits.argmax()) == int(fresh.last_logits.argmax()),
-                                       fresh.cache.nbytes().total))
-    if progress is not None:
-        progress(1.0, "done")
-    return report
-
-
-@dataclass
-class LengthCost:
-    """Measured prefill time and dense cache bytes at one prompt length."""
-
-    tokens: int
-    prefill_seconds: float
-    kv_bytes: int
-
-
-def context_cost(loaded: LoadedModel, token_ids: list[int], lengths: list[int], progress=None) -> list[LengthCost]:
-    """Prefill time and cache bytes for the first ``n`` tokens of ``token_ids`` (repeated when shorter) per length."""
-    costs = []
-    for index, length in enumerate(lengths):
-        if progress is not None:
-            progress(index / len(lengths), f"prefill of {length} tokens")
-        ids = (token_ids * (length // max(1, len(token_ids)) + 1))[:length]
-        run = prefill_with_prefix(loaded, ids, None)
-        costs.append(LengthCost(length, run.seconds, run.cache.nbytes().total))
-    return costs

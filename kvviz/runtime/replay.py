@@ -7,15 +7,15 @@ step's attention. The ``full`` policy reproduces ``model.generate`` greedy outpu
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from kvviz.cache.attention import AttentionListener
 from kvviz.cache.kvcache import KVCache
 from kvviz.runtime.invariance import rows_as_they_come
-
-Progress = Callable[[float, str], None]
+from kvviz.runtime.progress import Progress
 
 
 @dataclass
@@ -47,8 +47,9 @@ class DecodeTrace:
 
 
 def forward_step(model: torch.nn.Module, cache: KVCache, token_ids: list[int], first_position: int, step: int,
-                 device: str) -> torch.Tensor:
-    """Feed ``token_ids`` at absolute positions ``first_position...``; return the last position's logits."""
+                 device: str, listeners: Sequence[AttentionListener] = ()) -> torch.Tensor:
+    """Feed ``token_ids`` at absolute positions ``first_position...``; return the last position's logits.
+    ``listeners`` receive every layer's attention probabilities (:mod:`kvviz.cache.attention`)."""
     absolute = torch.arange(first_position, first_position + len(token_ids))
     position_ids, cache_position = cache.begin_forward(absolute, step)
     output = model(
@@ -58,6 +59,7 @@ def forward_step(model: torch.nn.Module, cache: KVCache, token_ids: list[int], f
         cache_position=cache_position.to(device),
         use_cache=True,
         logits_to_keep=1,
+        listeners=tuple(listeners),
     )
     return output.logits[0, -1]
 

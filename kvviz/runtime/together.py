@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvviz.runtime.batch import DecodeGroup, step_groups
-from kvviz.runtime.prefix import PrefixPrefill, prefill_together, prefix_cache_for
+from kvviz.runtime.prefill import PrefixPrefill, prefill_together
+from kvviz.runtime.prefix import PrefixCache
 from kvviz.runtime.turns import FairLock
 
 RUNS_TOGETHER = 8  # runs a server admits into one running batch at once; each holds its caches while it decodes
@@ -37,8 +37,26 @@ RUNS_TOGETHER = 8  # runs a server admits into one running batch at once; each h
 # the CPU); the app's queue and the bench's classroom use it
 
 
+@dataclass
+class SharedCount:
+    """Forwards that fed more than one run, over every model in this process (the load test reads it to see that a
+    class's runs really went through merged forwards)."""
+
+    value: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self) -> None:
+        with self._lock:
+            self.value += 1
+
+
+SHARED_DECODES = SharedCount()
+SHARED_PREFILLS = SharedCount()
+
+
 class SharedDecoder:
-    """One model's running batch: :meth:`decode` from any number of threads; their groups share each forward."""
+    """One model's running batch (each :class:`~kvviz.runtime.models.LoadedModel` builds its own): :meth:`decode`
+    from any number of threads; their groups share each forward."""
 
     def __init__(self, model: torch.nn.Module, device: str, lock: FairLock):
         self.model, self.device, self.lock = model, device, lock
@@ -87,7 +105,9 @@ class SharedDecoder:
             except Exception as error:  # noqa: BLE001 - the forward itself failed (out of memory): its runs fail
                 for group in groups:
                     group.error = group.error or error
-        self.shared_forwards += len(groups) > 1
+        if len(groups) > 1:
+            self.shared_forwards += 1
+            SHARED_DECODES.add()
         with self._changed:
             self._groups = [group for group in self._groups if not group.finished]
 
@@ -121,10 +141,11 @@ class SharedPrefill:
     A run queues its prompt and waits its turn for the model's lock; whoever gets the lock first prefills every
     prompt queued by then (up to :data:`PREFILL_TOKENS` positions, the longest prompts left for the next turn), and
     the others find theirs done. Only prompts nobody listens to are shared (no capture for the page's statistics
-    or a method's selection): a listener belongs to its own thread's forward."""
+    or a method's selection): a listener belongs to its own prompt's forward. Each
+    :class:`~kvviz.runtime.models.LoadedModel` builds its own, over its lock and prefix cache."""
 
-    def __init__(self, loaded):
-        self._loaded = weakref.ref(loaded)  # the registry keeps this as long as the model lives, not longer
+    def __init__(self, model: torch.nn.Module, device: str, lock: FairLock, prefix_cache: PrefixCache):
+        self.model, self.device, self.lock, self.prefix_cache = model, device, lock, prefix_cache
         self._pending: list[PrefillJob] = []
         self._pending_lock = threading.Lock()
         self.forwards = 0  # prefill forwards run so far, and how many of them fed more than one prompt
@@ -133,12 +154,11 @@ class SharedPrefill:
     def prefill(self, token_ids: list[int], reuse_prefix: bool) -> PrefixPrefill:
         """``token_ids`` prefilled (with other runs' prompts when they are waiting too); raises its row's error."""
         job = PrefillJob(list(token_ids), reuse_prefix)
-        loaded = self._loaded()
         with self._pending_lock:
             self._pending.append(job)
-        with loaded.lock:
+        with self.lock:
             if job.outcome is None:
-                self._run(loaded, self._take(job))
+                self._run(self._take(job))
         if isinstance(job.outcome, BaseException):
             raise job.outcome
         return job.outcome
@@ -155,56 +175,25 @@ class SharedPrefill:
             self._pending = [other for other in self._pending if other not in taken]
             return taken
 
-    def _run(self, loaded, jobs: list[PrefillJob]) -> None:
-        prefix = prefix_cache_for(loaded) if jobs[0].reuse_prefix else None
+    def _run(self, jobs: list[PrefillJob]) -> None:
+        prefix = self.prefix_cache if jobs[0].reuse_prefix else None
         try:
-            outcomes = prefill_together(loaded, [job.token_ids for job in jobs], prefix)
+            outcomes = prefill_together(self.model, self.device, [job.token_ids for job in jobs], prefix)
         except Exception as error:  # noqa: BLE001 - the forward failed as a whole (out of memory): each run says so
             outcomes = [error] * len(jobs)
         for job, outcome in zip(jobs, outcomes, strict=True):
             job.outcome = outcome
         self.forwards += 1
-        self.shared_forwards += len(jobs) > 1
-
-
-_decoders: dict[int, SharedDecoder] = {}
-_prefills: dict[int, SharedPrefill] = {}
-_registry_lock = threading.Lock()
-
-
-def _per_model(registry: dict, loaded, make):
-    """``registry``'s object for ``loaded``: made on first use, dropped with the model."""
-    with _registry_lock:
-        made = registry.get(id(loaded))
-        if made is None:
-            made = registry[id(loaded)] = make()
-            weakref.finalize(loaded, registry.pop, id(loaded), None)
-        return made
-
-
-def shared_decoder(loaded) -> SharedDecoder:
-    """The running batch of ``loaded`` (a :class:`~kvviz.runtime.models.LoadedModel`): one per model, device and
-    dtype, as each loaded model is one of those."""
-    return _per_model(_decoders, loaded, lambda: SharedDecoder(loaded.model, loaded.device, loaded.lock))
-
-
-def shared_prefill(loaded) -> SharedPrefill:
-    """The prompts of ``loaded`` prefilled together (one per model, as :func:`shared_decoder`)."""
-    return _per_model(_prefills, loaded, lambda: SharedPrefill(loaded))
-
-
-def _shared_over_models(registry: dict) -> int:
-    with _registry_lock:
-        return sum(made.shared_forwards for made in registry.values())
+        if len(jobs) > 1:
+            self.shared_forwards += 1
+            SHARED_PREFILLS.add()
 
 
 def shared_forwards() -> int:
-    """Forwards that fed more than one run, over every model's running batch in this process (the load test reads
-    it to see that a class's runs really decoded together)."""
-    return _shared_over_models(_decoders)
+    """Forwards that fed more than one run, over every model's running batch in this process."""
+    return SHARED_DECODES.value
 
 
 def shared_prefills() -> int:
-    """Prefill forwards that fed more than one run's prompt, over every model in this process (the load test reads
-    it to see that a class's prompts really went through one forward)."""
-    return _shared_over_models(_prefills)
+    """Prefill forwards that fed more than one run's prompt, over every model in this process."""
+    return SHARED_PREFILLS.value

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.runtime.batch import forward_rows
 from kvviz.runtime.invariance import rows_as_they_come
 from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.progress import Progress
 from kvviz.runtime.replay import forward_step
 
 CHUNK = 256  # tokens per forward when evaluating the full cache in chunks
@@ -124,7 +124,7 @@ def streaming_perplexity(
     token_ids: list[int],
     spec: str,
     start: int = 0,
-    progress: Callable[[float, str], None] | None = None,
+    progress: Progress | None = None,
 ) -> PerplexityResult:
     """Perplexity of ``token_ids`` under ``spec``, over positions >= ``start`` (position 0 is never predicted)."""
     stack = parse_spec(spec)
@@ -147,7 +147,7 @@ def streaming_perplexity(
 
 
 def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: list[str],
-                           progress: Callable[[float, str], None] | None = None
+                           progress: Progress | None = None
                            ) -> list[PerplexityResult | SpecError]:
     """:func:`streaming_perplexity` of every SPEC at once: one forward per token feeds the token to every
     method's cache, a row each (:func:`kvviz.runtime.batch.forward_rows`), instead of one method after another.

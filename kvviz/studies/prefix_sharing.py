@@ -25,8 +25,9 @@ from kvviz.engine.metrics import forced_comparison
 from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.prefix import prefill_with_prefix, prefix_cache_for
-from kvviz.runtime.replay import Progress, decode, eos_token_ids
+from kvviz.runtime.prefill import prefill_with_prefix
+from kvviz.runtime.progress import Progress
+from kvviz.runtime.replay import decode, eos_token_ids
 from kvviz.studies.needle import MODES
 
 DEFAULT_METHODS = ("snapkv:budget=256,window=48", "streaming_llm:sinks=4,window=252,rerotate=0",
@@ -132,7 +133,7 @@ def compare_sharing(loaded: LoadedModel, preamble_ids: list[int], question_a: li
         _report(progress, 0, steps, "full cache: reference answer to B")
         _, reference = PromptSession(loaded, preamble_ids + question_b, reuse_prefix=True).run(
             "full", max_new_tokens, keep_logprobs=True)
-        dense = prefill_with_prefix(loaded, preamble_ids, prefix_cache_for(loaded)).cache
+        dense = prefill_with_prefix(loaded.model, loaded.device, preamble_ids, loaded.prefix_cache).cache
 
         def answer_b(kept: list[list[set[int]]]):
             cache = preamble_cut_to(dense, kept, preamble_tokens)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from kvviz.methods import MethodStack, Sizing, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.replay import Progress
+from kvviz.runtime.progress import Progress
 from kvviz.studies.frontier import MEASURES, Candidate, Cliff, find_cliff, on_frontier, recommendation
 from kvviz.studies.intervals import BOOTSTRAP_RULE, WILSON_RULE, overlap
 from kvviz.studies.sweep_measure import Measured, Outcome, measure_prompts, measure_task, measure_text

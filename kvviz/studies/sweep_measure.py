@@ -14,7 +14,7 @@ from kvviz.engine.results import MethodResult
 from kvviz.engine.session import BOTH, FORCED, FREE
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.replay import Progress
+from kvviz.runtime.progress import Progress
 from kvviz.studies.intervals import bootstrap_mean, percentile, wilson
 from kvviz.studies.perplexity import play_text, streaming_perplexities
 from kvviz.studies.tail_attribution import failure_cause, span_fates

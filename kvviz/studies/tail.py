@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from kvviz.engine.session import PromptError, PromptSession, capture_for
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.replay import Progress
+from kvviz.runtime.progress import Progress
 from kvviz.studies.needle import MODES
 from kvviz.studies.tail_attribution import SpanFate, evicted_share, failure_cause, span_fates
 from kvviz.studies.tail_items import MAX_HOPS, NEW_TOKENS, PROTECT, TASKS, TailItem, generate_items, task_label

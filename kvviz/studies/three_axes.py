@@ -13,7 +13,7 @@ from typing import ClassVar
 from kvviz.engine.session import compare
 from kvviz.planning.memory import ModelCard
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.replay import Progress
+from kvviz.runtime.progress import Progress
 from kvviz.studies.needle import build_needle_prompt
 
 

@@ -5,26 +5,27 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvviz.cache.attention import listening
-from kvviz.engine.session import PromptSession
+from kvviz.engine.session import PromptSession, capture_for
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runtime.replay import forward_step
 
 
 def step_through(loaded, prompt_ids: list[int], spec: str, steps: int, after_step=None, listeners=()):
-    """Prefill, fork ``spec`` and feed ``steps`` greedy tokens one by one; ``after_step(cache, step)`` each step."""
+    """Prefill, fork ``spec`` and feed ``steps`` greedy tokens one by one; ``after_step(cache, step)`` each step.
+    ``listeners`` see the attention of every forward: the prompt's and each step's."""
     session = PromptSession(loaded, prompt_ids)
-    with listening(*listeners):
-        cache = session.fork(parse_spec(spec))
-        logits = session.prefill().last_logits
-        if after_step is not None:
-            after_step(cache, 0)
-        with torch.inference_mode():  # forward_step hands the cache its own attention when its method scores it
-            for step in range(1, steps + 1):
-                position = len(prompt_ids) + step - 1
-                logits = forward_step(loaded.model, cache, [int(logits.argmax())], position, step, loaded.device)
-                if after_step is not None:
-                    after_step(cache, step)
+    stack = parse_spec(spec)
+    logits = session.prefill(capture_for([stack]), listeners).last_logits  # the prefill the fork reads
+    cache = session.fork(stack)
+    if after_step is not None:
+        after_step(cache, 0)
+    with torch.inference_mode():  # forward_step hands the cache its own attention when its method scores it
+        for step in range(1, steps + 1):
+            position = len(prompt_ids) + step - 1
+            logits = forward_step(loaded.model, cache, [int(logits.argmax())], position, step, loaded.device,
+                                  listeners)
+            if after_step is not None:
+                after_step(cache, step)
     return cache
 
 

@@ -24,7 +24,7 @@ from kvviz.lessons import step_requests
 from kvviz.planning.classroom import ClassRun, ClassWait, percentile, project_class
 from kvviz.runs import CompareRequest, RunRequest
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.together import RUNS_TOGETHER, shared_decoder, shared_prefill
+from kvviz.runtime.together import RUNS_TOGETHER
 
 STUDENTS = 30
 LESSON_STUDENTS = 5  # as in the load test: five students on Lessons step 1 share one run, the others compare
@@ -89,7 +89,7 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
     already stored nowhere: every request computes), ``repeats`` times each; how much sooner everybody is done, and
     where the time went: decode steps are what runs share (and prefills of prompts nobody records), so their share
     of the time one at a time and how much shorter they got together say what the ratio can be on this device."""
-    decoder, prefills = shared_decoder(loaded), shared_prefill(loaded)
+    decoder, prefills = loaded.decoder, loaded.prefills
 
     def counters() -> ServedCounters:
         return ServedCounters(decoder.shared_forwards, prefills.shared_forwards, decoder.seconds)

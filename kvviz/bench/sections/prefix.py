@@ -7,7 +7,7 @@ import torch
 
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.runtime.prefix import run_turns
+from kvviz.studies.prefix_reuse import run_turns
 from kvviz.studies.prefix_sharing import compare_sharing
 
 

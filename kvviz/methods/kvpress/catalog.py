@@ -1,8 +1,8 @@
 """Which kvpress presses kvviz offers by name: every press kvpress exports, plus the server's own.
 
-The server's own presses are dotted paths the entry points pass in (:func:`configure_presses`, built from
-:class:`kvviz.runtime.settings.Settings` by the CLI's and the app's start-up): nothing here reads the environment,
-so a test or a script says which presses it offers by calling the same function. A path that cannot be loaded costs
+The server's own presses are dotted paths the entry points pass in (:func:`configure_presses`, called with the
+deployment settings by :func:`kvviz.engine.startup.apply_settings`): nothing here reads the environment, so a test or
+a script says which presses it offers by calling the same function. A path that cannot be loaded costs
 only itself: every other press stays available and the problem is one line (``kvviz config`` refuses it).
 """
 
@@ -116,5 +116,6 @@ def not_mappable_reason(cls: type) -> str | None:
                 "inserts; kvviz's prompts carry none")
     if issubclass(cls, kvpress.DecodingPress):
         return ("it compresses while decoding, and kvviz decodes on its own cache (kvpress's hooks are not active "
-                "then); PrefillDecodingPress runs its prefill part, kvviz's h2o/tova evict while decoding")
+                "then); PrefillDecodingPress runs its prefill part, kvviz's `decoding` reproduces DecodingPress and "
+                "its h2o/tova evict while decoding")
     return None

@@ -18,15 +18,19 @@ RUNS = "runs natively"
 HUB = "needs files from the hub"
 NOT_MAPPABLE = "not mappable"
 
-# kvviz methods implementing the same policy with kvviz's own code
+# kvviz methods implementing the same policy with kvviz's own code (agreement as tests/methods measure it)
 OWN: dict[str, str] = {
     "SnapKVPress": "snapkv",
     "StreamingLLMPress": "streaming_llm",
     "TOVAPress": "tova",
     "RandomPress": "random (its own seeding)",
     "ObservedAttentionPress": "h2o (accumulated attention, plus a recent window)",
-    "DecodingPress": "h2o, tova (evict while decoding)",
+    "AdaKVPress": "adakv (at least 99% of kvpress's kept entries per head)",
+    "PyramidKVPress": "pyramidkv (the same per-layer counts; at least 99% of the kept entries)",
+    "PerLayerCompressionPress": "per_layer",
+    "DecodingPress": "decoding (exactly kvpress's kept entries)",
 }
+DECODING_OTHERS = "h2o, tova (evict while decoding)"  # the decoding presses kvviz's `decoding` does not reproduce
 
 # what a native run does beyond dropping rows, for presses that do more
 NOTES: dict[str, str] = {
@@ -68,8 +72,8 @@ def coverage() -> list[CoverageRow]:
     for name, cls in sorted(kvpress_classes().items()):
         label = cls.__name__
         own = [m for m in (OWN.get(label), f"kvpress:press={adapted[label]}" if label in adapted else None) if m]
-        if issubclass(cls, kvpress.DecodingPress):
-            own = [OWN["DecodingPress"]]
+        if issubclass(cls, kvpress.DecodingPress) and label not in OWN:
+            own = [DECODING_OTHERS]
         if label in NEEDS_DOWNLOAD:
             status, why = HUB, NEEDS_DOWNLOAD[label]
         elif not_mappable_reason(cls):

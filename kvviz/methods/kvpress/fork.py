@@ -12,10 +12,10 @@ import time
 import torch
 from transformers import DynamicCache
 
-from kvviz.cache.kvcache import KVCache
+from kvviz.cache.kvcache import KVCache, KVLayer
 from kvviz.cache.rotation import KeyRotator
 from kvviz.methods.kvpress.report import MAX_KEY_DISTANCE, NativePrefill, NativeReport, NotMappable
-from kvviz.methods.kvpress.rowmatch import match_rows, match_rows_in_order
+from kvviz.methods.kvpress.rowmatch import RowMatch, match_rows, match_rows_in_order
 from kvviz.methods.merge import nearest_survivor
 from kvviz.runtime.models import LoadedModel
 
@@ -98,8 +98,7 @@ def run_press_prefill(loaded: LoadedModel, prompt_ids: list[int], press, label: 
 def _map_cache(cache: DynamicCache, full: dict, masked: list, length: int, report: NativeReport,
                rotator: KeyRotator | None) -> tuple[KVCache, list, list]:
     """Per layer: match the press's rows to the full rows; build kvviz's prefill cache and the kept indices."""
-    num_layers = len(cache.layers)
-    prefill = KVCache(num_layers)
+    prefill = KVCache(len(cache.layers))
     prefill.prompt_length = length
     kept_per_layer: list[torch.Tensor | None] = []
     blocked_per_layer: list[torch.Tensor | None] = []
@@ -109,54 +108,82 @@ def _map_cache(cache: DynamicCache, full: dict, masked: list, length: int, repor
         full_keys, full_values = full.get(layer_idx, (keys, values))
         if full_keys.shape[2] != length:
             raise NotMappable(f"kvpress {report.press} changed the cache before layer {layer_idx} was seen whole")
-        match_full, match_compressed = full_keys, keys
-        pruned = (keys == 0).all(2) & ~(full_keys == 0).all(2)  # [B, H, D] channels the press zeroed
+        pruned = _pruned_channels(keys, full_keys)
         channels.append((keys.shape[-1] - pruned[0].sum(-1)).tolist())
-        if bool(pruned.any()):
-            match_full = full_keys.masked_fill(pruned.unsqueeze(2), 0)
-        if report.rerotated:
-            if rotator is None:
-                raise NotMappable(f"kvpress {report.press} re-rotates keys; this model has no RoPE to undo")
-            match_full = _derotate(rotator, match_full, torch.arange(length))
-            match_compressed = _derotate(rotator, match_compressed, torch.arange(keys.shape[2]))
-        tolerance = MAX_KEY_DISTANCE
-        if report.rerotated:  # undone rotations leave rounding; repeated tokens' position-free keys can coincide
-            found = match_rows_in_order(match_full, match_compressed, tolerance)
-        else:
-            found = match_rows(match_full, match_compressed)
-        if float(found.distance.max()) > tolerance:
-            raise NotMappable(f"kvpress {report.press} changed keys in layer {layer_idx}: the nearest full row is "
-                              f"{float(found.distance.max()):.1%} away, so its entries are not the prompt's tokens")
-        if not found.unique():
-            raise NotMappable(f"kvpress {report.press} left two entries matching one token in layer {layer_idx}")
-        report.exact_rows += int(found.exact.sum())
-        report.nearest_rows += int((~found.exact).sum())
-        report.max_distance = max(report.max_distance, float(found.distance.max()))
-        held = _unmasked_rows(masked[layer_idx], keys.shape, report)
-        positions = found.positions if held is None else found.positions.gather(-1, held[0])
-        kept, order = positions.sort(dim=-1)
-        blocked_per_layer.append(None if held is None else held[1].gather(-1, order.cpu()))
+        found = _matched_rows(full_keys, keys, pruned, layer_idx, report, rotator)
+        kept, blocked = _kept_rows(found.positions, masked[layer_idx], keys.shape, report)
+        kept_per_layer.append(None if kept.shape[-1] == length and blocked is None else kept)
+        blocked_per_layer.append(blocked)
         index = found.positions.unsqueeze(-1).expand_as(keys)
         changed = (values != full_values.gather(2, index)).any(-1)  # [B, H, n] survivors whose values moved
         if bool(changed.any()):
             report.merged_into[layer_idx] = _merge_targets(full_keys, found.positions, changed, length)
-        # kvviz's cache holds the press's own rows where they came from: re-rotated, pruned or merged as it left them
-        # (written into the snapshot, which is this function's own copy)
-        stored_keys, stored_values = (full_keys, full_values) if layer_idx in full else (keys.clone(), values.clone())
-        if not found.all_exact or bool(pruned.any()):
-            stored_keys.scatter_(2, index, keys)
-        if bool(changed.any()):
-            stored_values.scatter_(2, index, values)
-        target = prefill.layers[layer_idx]
-        target.lazy_initialization(stored_keys, stored_values)
-        target.storage.append(stored_keys, stored_values)
-        batch, heads = keys.shape[:2]
-        target.positions = torch.arange(length).view(1, 1, length).expand(batch, heads, length).clone()
-        target.rotary = target.positions.clone()
-        kept_per_layer.append(None if kept.shape[-1] == length and held is None else kept)
+        # the snapshot is this function's own copy: the press's rows are written into it where they came from
+        stored = (full_keys, full_values) if layer_idx in full else (keys.clone(), values.clone())
+        keys_moved = not found.all_exact or bool(pruned.any())
+        _hold_press_rows(prefill.layers[layer_idx], *stored, index, keys if keys_moved else None,
+                         values if bool(changed.any()) else None)
     if any(c != keys.shape[-1] for layer in channels for c in layer):
         report.channels_kept = channels
     return prefill, kept_per_layer, blocked_per_layer
+
+
+def _pruned_channels(keys: torch.Tensor, full_keys: torch.Tensor) -> torch.Tensor:
+    """[B, H, D] True on the key channels the press zeroed (ThinK prunes channels, not tokens)."""
+    return (keys == 0).all(2) & ~(full_keys == 0).all(2)
+
+
+def _matched_rows(full_keys: torch.Tensor, keys: torch.Tensor, pruned: torch.Tensor, layer_idx: int,
+                  report: NativeReport, rotator: KeyRotator | None) -> RowMatch:
+    """Which full row each of the press's rows came from, compared as the press left them (pruned channels zeroed,
+    re-rotation undone); refused when a row matches no prompt token or two rows one token."""
+    match_full, match_compressed = full_keys, keys
+    if bool(pruned.any()):
+        match_full = full_keys.masked_fill(pruned.unsqueeze(2), 0)
+    if report.rerotated:
+        if rotator is None:
+            raise NotMappable(f"kvpress {report.press} re-rotates keys; this model has no RoPE to undo")
+        match_full = _derotate(rotator, match_full, torch.arange(full_keys.shape[2]))
+        match_compressed = _derotate(rotator, match_compressed, torch.arange(keys.shape[2]))
+        # undone rotations leave rounding; repeated tokens' position-free keys can coincide: match in order
+        found = match_rows_in_order(match_full, match_compressed, MAX_KEY_DISTANCE)
+    else:
+        found = match_rows(match_full, match_compressed)
+    if float(found.distance.max()) > MAX_KEY_DISTANCE:
+        raise NotMappable(f"kvpress {report.press} changed keys in layer {layer_idx}: the nearest full row is "
+                          f"{float(found.distance.max()):.1%} away, so its entries are not the prompt's tokens")
+    if not found.unique():
+        raise NotMappable(f"kvpress {report.press} left two entries matching one token in layer {layer_idx}")
+    report.exact_rows += int(found.exact.sum())
+    report.nearest_rows += int((~found.exact).sum())
+    report.max_distance = max(report.max_distance, float(found.distance.max()))
+    return found
+
+
+def _kept_rows(positions: torch.Tensor, masked, shape: torch.Size,
+               report: NativeReport) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The token positions each head holds [B, H, n], ascending, and which of them are held blocked (a head-wise
+    press's masked rows, :func:`_unmasked_rows`), or None when nothing is masked."""
+    held = _unmasked_rows(masked, shape, report)
+    if held is not None:
+        positions = positions.gather(-1, held[0])
+    kept, order = positions.sort(dim=-1)
+    return kept, None if held is None else held[1].gather(-1, order.cpu())
+
+
+def _hold_press_rows(target: KVLayer, full_keys: torch.Tensor, full_values: torch.Tensor, index: torch.Tensor,
+                     keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+    """``target`` holds the prompt's rows at positions 0.., the press's own ``keys`` and ``values`` (re-rotated,
+    pruned or merged as it left them; None where they equal the full rows) written over them at ``index``."""
+    if keys is not None:
+        full_keys.scatter_(2, index, keys)
+    if values is not None:
+        full_values.scatter_(2, index, values)
+    target.lazy_initialization(full_keys, full_values)
+    target.storage.append(full_keys, full_values)
+    batch, heads, length = full_keys.shape[:3]
+    target.positions = torch.arange(length).view(1, 1, length).expand(batch, heads, length).clone()
+    target.rotary = target.positions.clone()
 
 
 def _derotate(rotator: KeyRotator, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
