@@ -61,6 +61,10 @@ def test_the_recommendation_never_ranks_configurations_whose_intervals_overlap()
     assert lines[2] == ("On 32 items, at 8x smaller than full or more, nothing is indistinguishable from full at this "
                         "sample size; the best measured is c (60% [45, 74]), and cannot be told apart from d (50% "
                         "[35, 65]); 1 other falls below its interval.")
+    zero = [Candidate("f", "eviction", 16.0, 0.0, (0.0, 0.14), False), Candidate("g", "stack", 17.0, 0.0, (0.0, 0.14),
+                                                                                 False)]
+    assert recommendation(zero, ACCURACY, "On 32 items")[-1].endswith(
+        "nothing is indistinguishable from full at this sample size; every configuration there scores 0%.")
 
 
 def test_a_prompt_set_file_names_the_line_at_fault():

@@ -119,6 +119,8 @@ def _with_intervals(reaching: list[Candidate], measure: Measure) -> str:
     if like_full:
         return f"{LIKE_FULL}: {named(like_full)}"
     best = _best(reaching, measure)
+    if measure.higher_is_better and best.quality == 0:
+        return f"nothing is {LIKE_FULL}; every configuration there scores {measure.text(0.0)}"
     tied = [c for c in reaching if c is not best and overlap(c.interval, best.interval)]
     below = [c for c in reaching if c is not best and c not in tied]
     text = f"nothing is {LIKE_FULL}; the best measured is {named([best])}"
