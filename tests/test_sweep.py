@@ -196,7 +196,7 @@ def test_each_items_outcome_equals_that_item_run_alone_through_compare_and_its_l
         assert point.error is None and point.outcomes, point.error
         for outcome in point.outcomes:
             item = items[outcome.item]
-            alone = compare(real_model, item.ids, [point.spec], NEW_TOKENS["multikey"]).results[-1]
+            alone = compare(real_model, item.ids, [point.spec], NEW_TOKENS["multikey"], reuse_prefix=False).results[-1]
             assert outcome.answer == alone.text.strip(), (point.spec, outcome.item)
             assert outcome.correct == all(item.score(alone.text).values())
             fates = span_fates(alone.ledger, item.spans)

@@ -8,7 +8,7 @@ holds as many prompts as fit under a row cap and a memory budget. Prompts that n
 
 Rows do exactly what they do alone (each its own cache; on a CPU the linear layers are padded to row counts that
 give every row the same numbers whatever shares its forward: :mod:`kvviz.runtime.invariance`), so each prompt's
-results equal :func:`compare` on that prompt alone.
+results equal :func:`compare` on that prompt alone, prefilled fresh (``reuse_prefix=False``).
 """
 
 from __future__ import annotations
@@ -93,10 +93,14 @@ def _prefill(loaded: LoadedModel, sessions: list[PromptSession], stacks: list[Me
 
 
 def decode_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], specs: list[str], max_new_tokens: int,
-                   mode: str, progress: Progress | None = None, reuse_prefix: bool = True) -> list[list[MethodResult]]:
+                   mode: str, progress: Progress | None = None, reuse_prefix: bool = False
+                   ) -> list[list[MethodResult]]:
     """Every SPEC on every prompt (``full`` first, added if missing): per prompt, one result per configuration.
 
     ``mode`` says how the rows after full decode (:data:`kvviz.engine.session.FREE`, ``FORCED`` or ``BOTH``).
+    Prompts are prefilled fresh unless ``reuse_prefix``: a block the model's prefix cache kept from another run may
+    have been computed under another attention path (explicit where a capture listened, SDPA elsewhere), which
+    moves the last bits and, near a tie, a greedy token; a sweep's results must not depend on what ran before.
     SpecError or PromptError before any model work; a configuration that fails on a prompt is that result's
     ``error``, and the others go on.
     """

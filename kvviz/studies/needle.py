@@ -202,6 +202,30 @@ def needle_eviction(ledger: EvictionLedger | None, positions: list[int]) -> tupl
     return False, int(steps[evicted].min()), layers
 
 
+def check_grid(study: str, mode: str, specs: list[str], lengths: list[int], depths: list[float],
+               trials: int) -> None:
+    """PromptError naming the first argument of a needle or tail grid that cannot run, before any model work."""
+    if mode not in MODES:
+        raise PromptError(f"unknown {study} mode {mode!r}; choose {' or '.join(MODES)}")
+    if not specs or not lengths or not depths:
+        raise PromptError(f"the {study} run needs at least one method, one length and one depth")
+    if any(length < 1 for length in lengths):
+        raise PromptError(f"{study} lengths must be positive token counts")
+    if any(not 0.0 <= depth <= 1.0 for depth in depths):
+        raise PromptError(f"{study} depths must lie between 0 and 1")
+    if trials < 1:
+        raise PromptError("trials must be at least 1")
+
+
+def split_for_mode(ids: list[int], question_start: int, mode: str) -> tuple[list[int], list[int] | None]:
+    """The tokens compressed at prefill and the ones fed after: all of the prompt with the question in it
+    (``query_aware``), or the context alone with the question fed afterwards (``query_agnostic``, as kvpress
+    evaluates)."""
+    if mode == "query_agnostic":
+        return ids[:question_start], ids[question_start:]
+    return ids, None
+
+
 def run_needle_grid(
     loaded: LoadedModel,
     specs: list[str],
@@ -219,16 +243,9 @@ def run_needle_grid(
     Success means the key's digits appear in the greedy answer. PromptError or SpecError for bad arguments, before
     any model work.
     """
-    if mode not in MODES:
-        raise PromptError(f"unknown needle mode {mode!r}; choose {' or '.join(MODES)}")
-    if not specs or not lengths or not depths:
-        raise PromptError("the needle grid needs at least one method, one length and one depth")
-    if any(length < 1 for length in lengths):
-        raise PromptError("needle lengths must be positive token counts")
-    if any(not 0.0 <= depth <= 1.0 for depth in depths):
-        raise PromptError("needle depths must lie between 0 and 1")
-    if trials < 1 or max_new_tokens < 1:
-        raise PromptError("trials and max_new_tokens must be at least 1")
+    check_grid("needle", mode, specs, lengths, depths, trials)
+    if max_new_tokens < 1:
+        raise PromptError("max_new_tokens must be at least 1")
     stacks = [parse_spec(spec) for spec in specs]
     capture = capture_for(stacks)
     cases = [(trial, length, depth) for trial in range(trials) for length in lengths for depth in depths]
@@ -237,9 +254,7 @@ def run_needle_grid(
     with loaded.lock:
         for number, (trial, length, depth) in enumerate(cases):
             prompt = build_needle_prompt(loaded.tokenizer, length, depth, seed, trial, chat)
-            agnostic = mode == "query_agnostic"
-            context = prompt.ids[: prompt.question_start] if agnostic else prompt.ids
-            suffix = prompt.ids[prompt.question_start:] if agnostic else None
+            context, suffix = split_for_mode(prompt.ids, prompt.question_start, mode)
             session = PromptSession(loaded, context)
             session.prefill(capture)
             for index, stack in enumerate(stacks):

@@ -27,13 +27,22 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvviz.engine.session import PromptError, PromptSession, capture_for
-from kvviz.methods import parse_spec
+from kvviz.engine.session import PromptError, PromptSession, capture_for, reference_first
+from kvviz.methods import MethodStack, parse_spec
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.progress import Progress
-from kvviz.studies.needle import MODES
+from kvviz.runtime.progress import Progress, share
+from kvviz.studies.needle import check_grid, split_for_mode
 from kvviz.studies.tail_attribution import SpanFate, evicted_share, failure_cause, span_fates
-from kvviz.studies.tail_items import MAX_HOPS, NEW_TOKENS, PROTECT, TASKS, TailItem, generate_items, task_label
+from kvviz.studies.tail_items import (
+    MAX_HOPS,
+    NEW_TOKENS,
+    PROTECT,
+    TASKS,
+    TailItem,
+    check_hops,
+    generate_items,
+    task_label,
+)
 
 
 @dataclass
@@ -134,6 +143,41 @@ class TailReport:
         return out
 
 
+def check_tail(specs: list[str], tasks: list[str], lengths: list[int], depths: list[float], hops: list[int],
+               trials: int, mode: str, protect: list[str]) -> None:
+    """PromptError or SpecError naming the first argument of a tail run that cannot run, before any model work."""
+    check_grid("tail", mode, specs, lengths, depths, trials)
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown or not tasks:
+        raise PromptError(f"unknown task(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(TASKS)}")
+    check_hops(hops)
+    if any(name not in PROTECT for name in protect):
+        raise PromptError(f"unknown protection {', '.join(protect)}; choose from {', '.join(PROTECT)}")
+    for spec in specs:
+        parse_spec(spec)
+
+
+@dataclass
+class Calibration:
+    """Per task label, what full was asked and what it got right (``instructions`` count per instruction)."""
+
+    counts: dict[str, list[int]] = field(default_factory=dict)  # label -> [generated, kept]
+
+    def judge(self, item: TailItem, checks: dict[str, bool]) -> set[str]:
+        """The checks of ``item`` that count (those full met: all of them or none, except per instruction), and
+        the item counted."""
+        kept = {key for key, ok in checks.items() if ok} if item.instructions else (
+            set(checks) if all(checks.values()) else set())
+        count = self.counts.setdefault(item.label, [0, 0])
+        count[0] += len(checks) if item.instructions else 1
+        count[1] += len(kept) if item.instructions else int(bool(kept))
+        return kept
+
+    def rows(self) -> list[dict]:
+        return [{"task": label, "generated": g, "kept": k, "unit": "instructions" if label == "instructions"
+                 else "items"} for label, (g, k) in self.counts.items()]
+
+
 def run_tail(
     loaded: LoadedModel,
     specs: list[str],
@@ -155,70 +199,62 @@ def run_tail(
     """
     hops = list(hops or range(1, MAX_HOPS + 1))
     protect = list(protect or [])
-    if mode not in MODES:
-        raise PromptError(f"unknown mode {mode!r}; choose {' or '.join(MODES)}")
-    unknown = [t for t in tasks if t not in TASKS]
-    if unknown or not tasks:
-        raise PromptError(f"unknown task(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(TASKS)}")
-    if not specs or not lengths or not depths:
-        raise PromptError("the tail run needs at least one method, one length and one depth")
-    if any(not 0.0 <= d <= 1.0 for d in depths):
-        raise PromptError("depths must lie between 0 and 1")
-    if any(not 1 <= h <= MAX_HOPS for h in hops):
-        raise PromptError(f"vartrack hops must lie between 1 and {MAX_HOPS}")
-    if any(name not in PROTECT for name in protect):
-        raise PromptError(f"unknown protection {', '.join(protect)}; choose from {', '.join(PROTECT)}")
-    if trials < 1:
-        raise PromptError("trials must be at least 1")
-    stacks = [parse_spec(spec) for spec in specs]
-    stacks = [parse_spec("full")] + [s for s in stacks if s.label != "full"]
+    check_tail(specs, tasks, lengths, depths, hops, trials, mode, protect)
+    stacks = reference_first(specs)
     runs = [(stack, "") for stack in stacks]
     runs += [(stack, name) for name in protect for stack in stacks if stack.label != "full"
              and stack.eviction is not None]
     capture = capture_for(stacks)
     items = generate_items(loaded.tokenizer, tasks, lengths, depths, hops, trials, seed)
-    agnostic = mode == "query_agnostic"
     started = time.perf_counter()
     cells: list[TailCell] = []
-    kept: dict[str, list[int]] = {}  # task label -> [generated, kept] (instructions: counted per instruction)
+    calibration = Calibration()
     with loaded.lock:
         for number, item in enumerate(items):
-            context = item.ids[: item.question_start] if agnostic else item.ids
-            suffix = item.ids[item.question_start:] if agnostic else None
-            session = PromptSession(loaded, context)
-            session.prefill(capture)
-            count = kept.setdefault(item.label, [0, 0])
-            calibrated: set[str] | None = None
-            for index, (stack, name) in enumerate(runs):
-                if progress is not None:
-                    progress((number + index / len(runs)) / len(items),
-                             f"{item.label}, {item.length} tokens: {stack.label}{' protected' if name else ''}")
-                result, _ = session.run(stack, NEW_TOKENS[item.task], suffix_tokens=suffix,
-                                        protect=item.protect_spans(name) if name else None)
-                checks = item.score(result.text)
-                if calibrated is None:  # full runs first: it decides what counts
-                    calibrated = {key for key, ok in checks.items() if ok} if item.instructions else (
-                        set(checks) if all(checks.values()) else set())
-                    count[0] += len(checks) if item.instructions else 1
-                    count[1] += len(calibrated) if item.instructions else int(bool(calibrated))
-                    if not calibrated:
-                        break
-                checks = {key: ok for key, ok in checks.items() if key in calibrated}
-                correct = all(checks.values())
-                score = sum(checks.values()) / len(checks) if item.instructions else float(correct)
-                fates = span_fates(result.ledger, item.spans)
-                cause = "" if correct else failure_cause(item, checks, fates, stack.quantization is not None)
-                share = (evicted_share(result.ledger, len(context))
-                         if not correct and result.ledger is not None else None)
-                cells.append(TailCell(
-                    item.item_id, item.task, item.hops, item.length, item.depth, item.trial, mode,
-                    stack.label + (f" [protect {name}]" if name else ""), stack.label, name, result.text, checks,
-                    round(score, 4), correct, cause, [f.label for f in fates if f.evicted], fates, len(item.ids),
-                    result.kv_bytes, share))
+            report = share(progress, number / len(items), (number + 1) / len(items),
+                           f"{item.label}, {item.length} tokens: ")
+            cells += _run_item(loaded, item, runs, capture, mode, calibration, report)
     if progress is not None:
         progress(1.0, "done")
-    calibration = [{"task": label, "generated": g, "kept": k,
-                    "unit": "instructions" if label == "instructions" else "items"} for label, (g, k) in kept.items()]
     settings = {"model": loaded.name, "methods": [s.label for s in stacks], "tasks": tasks, "lengths": lengths,
                 "depths": depths, "hops": hops, "trials": trials, "seed": seed, "mode": mode, "protect": protect}
-    return TailReport(cells, calibration, items, time.perf_counter() - started, settings)
+    return TailReport(cells, calibration.rows(), items, time.perf_counter() - started, settings)
+
+
+def _run_item(loaded: LoadedModel, item: TailItem, runs: list[tuple[MethodStack, str]], capture, mode: str,
+              calibration: Calibration, progress: Progress | None) -> list[TailCell]:
+    """Every run on one item after one prefill, full first: it decides which checks count (none: the item is
+    skipped)."""
+    context, suffix = split_for_mode(item.ids, item.question_start, mode)
+    session = PromptSession(loaded, context)
+    session.prefill(capture)
+    counted: set[str] | None = None
+    cells = []
+    for index, (stack, name) in enumerate(runs):
+        if progress is not None:
+            progress(index / len(runs), f"{stack.label}{' protected' if name else ''}")
+        result, _ = session.run(stack, NEW_TOKENS[item.task], suffix_tokens=suffix,
+                                protect=item.protect_spans(name) if name else None)
+        checks = item.score(result.text)
+        if counted is None:  # full runs first
+            counted = calibration.judge(item, checks)
+            if not counted:
+                return []
+        cells.append(_cell(item, stack, name, mode, result, {k: ok for k, ok in checks.items() if k in counted},
+                           len(context)))
+    return cells
+
+
+def _cell(item: TailItem, stack: MethodStack, name: str, mode: str, result, checks: dict[str, bool],
+          context_length: int) -> TailCell:
+    """One method's cell on a calibrated item: its score and, for a failure, what its ledger says it lost."""
+    correct = all(checks.values())
+    score = sum(checks.values()) / len(checks) if item.instructions else float(correct)
+    fates = span_fates(result.ledger, item.spans)
+    cause = "" if correct else failure_cause(item, checks, fates, stack.quantization is not None)
+    share_evicted = (evicted_share(result.ledger, context_length)
+                     if not correct and result.ledger is not None else None)
+    return TailCell(item.item_id, item.task, item.hops, item.length, item.depth, item.trial, mode,
+                    stack.label + (f" [protect {name}]" if name else ""), stack.label, name, result.text, checks,
+                    round(score, 4), correct, cause, [f.label for f in fates if f.evicted], fates, len(item.ids),
+                    result.kv_bytes, share_evicted)

@@ -121,6 +121,12 @@ class TailItem:
         return {value: value in answer for value in self.expected}
 
 
+def check_hops(hops: list[int]) -> None:
+    """PromptError unless every vartrack chain length lies between 1 and :data:`MAX_HOPS`."""
+    if any(not 1 <= h <= MAX_HOPS for h in hops):
+        raise PromptError(f"vartrack hops must lie between 1 and {MAX_HOPS}")
+
+
 def task_label(task: str, hops: int) -> str:
     return f"vartrack k={hops}" if task == "vartrack" else task
 
@@ -226,8 +232,8 @@ def build_item(tokenizer, task: str, length: int, depth: float, seed: int = 0, t
         span = PlantedSpan("pass key", "pass key", f"{prompt.key} ... {prompt.key}", prompt.needle_positions)
         return TailItem(f"needle:{length}:{depth:g}:{trial}", "needle", 0, length, depth, trial, prompt.ids,
                         prompt.question_start, prompt.context_start, [span], [prompt.key])
-    if task == "vartrack" and not 1 <= hops <= MAX_HOPS:
-        raise PromptError(f"vartrack hops must lie between 1 and {MAX_HOPS}")
+    if task == "vartrack":
+        check_hops([hops])
     rng = random.Random(f"kvviz-tail:{task}:{hops}:{seed}:{trial}")
     layout = _layout(task, rng, depth, hops)
     system, plants, preface, question = layout.system, layout.plants, layout.preface, layout.question
