@@ -103,6 +103,11 @@ def fit(loaded: LoadedModel, length: int, headroom: int = 64) -> int:
     return max(8, min(length, (loaded.context_length or 1 << 30) - headroom))
 
 
+def fitted_prompt(loaded: LoadedModel, length: int, headroom: int = 64) -> list[int]:
+    """:func:`prompt_tokens` of a section's prompt length, clamped by :func:`fit` below the model's context."""
+    return prompt_tokens(loaded, fit(loaded, length, headroom))
+
+
 def decode_step(session: PromptSession, spec: str, steps: int) -> tuple[float, KVCache]:
     """Median seconds per decode step of ``spec`` after the session's prompt (teacher-forced, so every method does
     the same number of steps). The median of per-step times shrugs off the odd step a busy machine slows down."""

@@ -15,7 +15,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     options.add_model_options(parser)
     parser.add_argument("--budget", type=float, action="append",
                         help="share of the full cache per axis (default 1/3; repeat for several budgets in one table)")
-    parser.add_argument("--method", action="append", metavar="SPEC", help="SPECs instead of the budgets' (repeat)")
+    options.add_method_option(parser, "SPECs instead of the budgets' (repeat)")
     parser.add_argument("--also", action="append", metavar="SPEC", help="SPECs added after the budgets' (repeat)")
     parser.add_argument("--length", type=int, default=512, help="needle prompt length in tokens (default 512)")
     parser.add_argument("--depth", type=float, default=0.5, help="needle depth in [0, 1] (default 0.5)")

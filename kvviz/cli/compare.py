@@ -18,8 +18,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--question", help="text added after the prompt, after a blank line")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table of bytes and quality")
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    parser.add_argument("--method", action="append", metavar="SPEC",
-                        help="name[:key=value,...][+name[:key=value,...]]; repeat for several (default: full)")
+    options.add_method_option(parser, "name[:key=value,...][+name[:key=value,...]]; repeat for several (default: full)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     options.add_output_options(parser)
     return parser

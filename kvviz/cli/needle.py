@@ -13,7 +13,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     options.add_model_options(parser)
     parser.add_argument("--lengths", default="512,1024,2048", help="prompt lengths in tokens (default 512,1024,2048)")
     parser.add_argument("--depths", default="0.1,0.5,0.9", help="needle depths in [0, 1] (default 0.1,0.5,0.9)")
-    parser.add_argument("--method", action="append", metavar="SPEC", help="repeat for several (default: full)")
+    options.add_method_option(parser)
     parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                         help="wrap the prompt in the chat template (default; --no-chat for plain text)")
     parser.add_argument("--trials", type=int, default=1, help="haystacks (keys) per cell (default 1)")

@@ -25,6 +25,11 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="allow model code from the hub to run (off unless given)")
 
 
+def add_method_option(parser: argparse.ArgumentParser, meaning: str = "repeat for several (default: full)") -> None:
+    """--method SPEC, repeatable (read by :func:`methods`); ``meaning`` is its help."""
+    parser.add_argument("--method", action="append", metavar="SPEC", help=meaning)
+
+
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     """--json and --quiet, shared by the commands that run the model and report results."""
     parser.add_argument("--json", metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")

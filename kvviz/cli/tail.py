@@ -18,8 +18,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--depths", default="0.25,0.75",
                         help="depths of the first planted statement (default 0.25,0.75)")
     parser.add_argument("--hops", default="1,2,3,4", help="vartrack chain lengths, 1 to 4 (default 1,2,3,4)")
-    parser.add_argument("--method", action="append", metavar="SPEC",
-                        help="repeat for several (full always runs first)")
+    options.add_method_option(parser, "repeat for several (full always runs first)")
     parser.add_argument("--protect", action="append", choices=("system", "planted"),
                         help="also run every eviction method with these spans protected (repeatable)")
     parser.add_argument("--trials", type=int, default=1, help="items per cell (default 1)")

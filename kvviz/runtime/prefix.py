@@ -87,7 +87,8 @@ class CachedBlock:
 
 @dataclass
 class PrefixStats:
-    """Counters over a prefix cache's life."""
+    """Counters over a prefix cache's life, in blocks: found by lookups (hits) or not (misses), stored after a
+    prefill, evicted under the byte budget."""
 
     hit_blocks: int = 0
     miss_blocks: int = 0

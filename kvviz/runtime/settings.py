@@ -18,7 +18,8 @@ APP = "app"  # read through Settings.from_env: the app, and `python -m kvviz con
 
 @dataclass(frozen=True)
 class Variable:
-    """One environment variable: what unset means (``default``, as a user would write it), and why it exists."""
+    """One environment variable: what unset means (``default``, as a user would write it), why it exists and who
+    reads it (:data:`VARIABLES` holds every one; the app's own are read by :meth:`Settings.from_env`)."""
 
     name: str
     default: str
@@ -27,6 +28,7 @@ class Variable:
     shown: str = ""  # the default as the table shows it, where the raw text would not say it
 
     def read(self, environ: Mapping[str, str]) -> str:
+        """The value ``environ`` sets, stripped; ``default`` when it is unset or blank."""
         return environ.get(self.name, "").strip() or self.default
 
     def table_default(self) -> str:

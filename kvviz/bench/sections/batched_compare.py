@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, interleaved, timed
 from kvviz.bench.specs import batched_specs
-from kvviz.bench.workloads import fit, prompt_tokens
+from kvviz.bench.workloads import fitted_prompt
 from kvviz.engine.session import PromptSession, capture_for, compare
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
@@ -55,8 +55,8 @@ def plain_batched_decode(loaded: LoadedModel, lengths: list[int], steps: int) ->
 def batched_compare(run: BenchRun) -> Section:
     loaded, sizes = run.loaded, run.sizes
     section = Section("batched_compare", "Comparison of 6 configurations: batched vs sequential decode, and the floor")
-    n = fit(loaded, sizes.batched_prompt, sizes.batched_tokens + 8)
-    ids = prompt_tokens(loaded, n)
+    ids = fitted_prompt(loaded, sizes.batched_prompt, sizes.batched_tokens + 8)
+    n = len(ids)
     specs = batched_specs(max(8, n // 8), n)
     run.log(f"  {len(specs)} configurations, {n} prompt tokens, {sizes.batched_tokens} new, batched and sequential "
             f"in turns, {max(1, sizes.repeats)} times each")

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
-from kvviz.bench.workloads import fit, prompt_tokens
+from kvviz.bench.workloads import fitted_prompt
 from kvviz.engine.session import PromptSession
 from kvviz.methods import REGISTRY, parse_spec
 from kvviz.methods.kvpress.fork import attention_modules
@@ -20,8 +20,8 @@ def kvpress_native(run: BenchRun) -> Section:
     if "kvpress_native" not in REGISTRY:
         section.skipped = "needs the kvpress_native method"
         return section
-    n = fit(loaded, sizes.peer_prompt)
-    ids = prompt_tokens(loaded, n)
+    ids = fitted_prompt(loaded, sizes.peer_prompt)
+    n = len(ids)
     section.add("prompt_tokens", n)
     repeats = max(3, sizes.repeats)  # best of 3 at least: run-against-run ratios swing with a loaded machine
     section.add("repeats", repeats)

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
-from kvviz.bench.workloads import fit, prompt_tokens
+from kvviz.bench.workloads import fitted_prompt
 from kvviz.engine.session import PromptSession, capture_for
 from kvviz.methods import REGISTRY, budget_spec, parse_spec
 
@@ -22,8 +22,8 @@ def peer_kvpress(run: BenchRun) -> Section:
         return section
     import kvpress  # here, not at the top: importing the bench (for its specs) stays quick
 
-    n = fit(loaded, sizes.peer_prompt)
-    ids = prompt_tokens(loaded, n)
+    ids = fitted_prompt(loaded, sizes.peer_prompt)
+    n = len(ids)
     device = loaded.device
     keep = n // 2
     section.add("prompt_tokens", n)

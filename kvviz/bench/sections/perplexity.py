@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.specs import KIVI
-from kvviz.bench.workloads import fit, prompt_tokens
+from kvviz.bench.workloads import fitted_prompt
 from kvviz.methods import REGISTRY, budget_spec
 from kvviz.studies.perplexity import streaming_perplexity
 
@@ -13,8 +13,8 @@ from kvviz.studies.perplexity import streaming_perplexity
 def perplexity(run: BenchRun) -> Section:
     loaded, sizes = run.loaded, run.sizes
     section = Section("perplexity", f"Perplexity over {sizes.ppl_tokens} tokens per method")
-    n = fit(loaded, sizes.ppl_tokens, 1)
-    ids = prompt_tokens(loaded, n)
+    ids = fitted_prompt(loaded, sizes.ppl_tokens, 1)
+    n = len(ids)
     budget = max(8, n // 8)
     specs = ["full", *[budget_spec(m, budget, n) for m in ("streaming_llm", "h2o") if m in REGISTRY]]
     if "kivi" in REGISTRY:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, shared_measurement, sync, timed
 from kvviz.bench.specs import comparison_specs
-from kvviz.bench.workloads import fit, prompt_tokens
+from kvviz.bench.workloads import fitted_prompt
 from kvviz.engine.results import MethodResult
 from kvviz.engine.session import PromptSession, capture_for
 from kvviz.methods import parse_spec
@@ -29,24 +29,24 @@ class SharedForks:
 @shared_measurement
 def shared_forks(run: BenchRun) -> SharedForks:
     loaded, sizes = run.loaded, run.sizes
-    n = fit(loaded, sizes.compare_prompt)
-    specs = comparison_specs(max(8, n // 4), n)
+    ids = fitted_prompt(loaded, sizes.compare_prompt)
+    specs = comparison_specs(max(8, len(ids) // 4), len(ids))
     stacks = [parse_spec(s) for s in specs]
     run.log("  shared prefill + forks")
-    session = PromptSession(loaded, prompt_tokens(loaded, n))
+    session = PromptSession(loaded, ids)
     started = time.perf_counter()
     prefill = session.prefill(capture_for(stacks))
     results = [session.run(stack, sizes.compare_tokens)[0] for stack in stacks]
     sync(loaded.device)
-    return SharedForks(n, session.card, specs, results, prefill.seconds, time.perf_counter() - started)
+    return SharedForks(len(ids), session.card, specs, results, prefill.seconds, time.perf_counter() - started)
 
 
 @bench_section("shared_prefill")
 def shared_prefill(run: BenchRun) -> Section:
     loaded, sizes = run.loaded, run.sizes
     section = Section("shared_prefill", "Comparison of N methods: shared prefill vs independent runs")
-    n = fit(loaded, sizes.compare_prompt)
-    ids = prompt_tokens(loaded, n)
+    ids = fitted_prompt(loaded, sizes.compare_prompt)
+    n = len(ids)
     specs = comparison_specs(max(8, n // 4), n)
     independent_tokens, independent = [], 0.0
     for spec in specs:
