@@ -22,7 +22,7 @@ from kvviz.cache.ledger import KEPT, EvictionLedger
 from kvviz.engine.session import PromptError, PromptSession, capture_for
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.replay import Progress
+from kvviz.runtime.progress import Progress
 
 MODES = ("query_aware", "query_agnostic")
 INSTRUCTION = ("There is a pass key hidden inside a lot of irrelevant text. Find it and remember it. "
