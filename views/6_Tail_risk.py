@@ -7,7 +7,8 @@ import streamlit as st
 
 from kvviz.methods import budget_spec
 from kvviz.runs import TailRequest
-from kvviz.studies.tail import MAX_HOPS, MODES, PROTECT, TASKS
+from kvviz.studies.needle import MODES
+from kvviz.studies.tail_items import MAX_HOPS, PROTECT, TASKS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import token_texts

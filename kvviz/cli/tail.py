@@ -31,7 +31,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from kvviz.runs import TailRequest
-    from kvviz.studies.tail import TASKS
+    from kvviz.studies.tail_items import TASKS
 
     specs = options.methods(args)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
