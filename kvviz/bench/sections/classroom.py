@@ -92,7 +92,7 @@ class ServedCounters(NamedTuple):
 WAYS = {"one_at_a_time": ONE_AT_A_TIME, "together": ADMISSION}  # how a class is served, and what it is compared with
 
 
-def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list[RunRequest], what: str,
+def add_served_class(section: Section, name: str, loaded: LoadedModel, requests: list[RunRequest], what: str,
                 log, repeats: int = 1, all_done_target: str = "") -> None:
     """The class served one run at a time and as the server's admission policy admits runs together, in turns (the
     same requests, results stored nowhere: every request computes), ``repeats`` times each, the order of the two
@@ -105,35 +105,48 @@ def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list
     def counters() -> ServedCounters:
         return ServedCounters(decoder.shared_forwards, prefills.shared_forwards, decoder.seconds)
 
+    sizes = [request.run_size(loaded) for request in requests]
+    alone = not any(ADMISSION.admits([first], second) for first in sizes for second in sizes)
+    served_ways = ["one_at_a_time"] if alone else list(WAYS)  # alone: the server's way is one at a time, the
+    # same schedule, so serving it twice would only measure the machine's noise
     done: dict[str, list[list[float]]] = {way: [] for way in WAYS}
     most_at_once = dict.fromkeys(WAYS, 0)
     totals = {way: ServedCounters() for way in WAYS}  # gained while served, over the repeats
     for repeat in range(max(1, repeats)):  # interleaved, so a slow spell of the machine hits both ways
-        for way in (list(WAYS) if repeat % 2 == 0 else list(reversed(WAYS))):
+        for way in (served_ways if repeat % 2 == 0 else list(reversed(served_ways))):
             before = counters()
             log(f"  {what}: {len(requests)} runs, {WAYS[way].describe(loaded.device)}")
             until_result, at_once = serve_class(loaded, requests, WAYS[way])
             done[way].append(until_result)
             most_at_once[way] = max(most_at_once[way], at_once)
             totals[way] = totals[way].plus(counters(), before)
+    if alone:
+        done["together"], totals["together"] = done["one_at_a_time"], totals["one_at_a_time"]
+        most_at_once["together"] = most_at_once["one_at_a_time"]
+        log(f"  {what}: the server starts each of these runs alone ({ADMISSION.describe(loaded.device)}), as one "
+            "at a time: served that way only")
     waits = {way: [statistics.median(run) for run in zip(*served, strict=True)] for way, served in done.items()}
     all_done = {way: statistics.median(max(times) for times in served) for way, served in done.items()}
     for way, served in done.items():
+        same = (f"; the server starts each of these runs alone (at {sizes[0].positions:,} positions), so this is "
+                "the one-at-a-time schedule and its runs") if alone and way == "together" else ""
         section.add(f"{name}_{way}_wait_p50", percentile(waits[way], 0.5), "s",
                     note=f"{what}, {WAYS[way].describe(loaded.device)} (at most {most_at_once[way]} at once here): "
-                         "seconds until a student's result, each student's median over the repeats")
+                         f"seconds until a student's result, each student's median over the repeats{same}")
         section.add(f"{name}_{way}_wait_p95", percentile(waits[way], 0.95), "s")
         spread = " / ".join(f"{max(times):.1f}" for times in served)
         section.add(f"{name}_{way}_all_done", all_done[way], "s",
                     note=f"median of {len(served)} ({spread} s); over them, {totals[way].merged_steps} decode "
                          f"and {totals[way].merged_prefills} prefill forwards fed more than one run")
     ratio = all_done["together"] / all_done["one_at_a_time"]
+    why = (f" (1 by construction: the policy starts each of these runs alone, {sizes[0].positions:,} positions > "
+           f"{ADMISSION.bound(loaded.device) or 0:,})") if alone else ""
     section.add(f"{name}_together_vs_one_at_a_time", ratio, "x", all_done_target,
-                note=f"all done, {what}: as the server admits runs together against one at a time")
+                note=f"all done, {what}: as the server admits runs together against one at a time{why}")
     for share, label in ((0.5, "p50"), (0.95, "p95")):
         section.add(f"{name}_wait_{label}_together_vs_one_at_a_time",
                     percentile(waits["together"], share) / percentile(waits["one_at_a_time"], share), "x", "<= 1.0",
-                    note=f"the {label} student's wait, as the server admits runs together against one at a time")
+                    note=f"the {label} student's wait, as the server admits runs together against one at a time{why}")
     served_seconds = sum(max(times) for times in done["one_at_a_time"])
     decoding_alone, decoding_together = totals["one_at_a_time"].decode_seconds, totals["together"].decode_seconds
     decode_share = decoding_alone / served_seconds
@@ -205,7 +218,7 @@ def classroom(run: BenchRun) -> Section:
                     + (f" + Lessons step 1 shared by {LESSON_STUDENTS}" if lessons else ""))
     short = [_student_request(loaded, f"Name {count} {topic}.") for count in ("two", "three", "four")
              for topic in CLASS_TOPICS]
-    _add_served(section, "short", loaded, short, f"{STUDENTS} short comparisons", log, sizes.repeats,
+    add_served_class(section, "short", loaded, short, f"{STUDENTS} short comparisons", log, sizes.repeats,
                 "<= 0.6" if loaded.device == "cpu" else "")
 
     prompt = fit(loaded, sizes.app_prompt)
@@ -219,7 +232,7 @@ def classroom(run: BenchRun) -> Section:
     text = prompt_tokens(loaded, prompt + sizes.class_students)
     uploads = [CompareRequest(tuple(text[i:i + prompt]), specs, sizes.app_tokens)  # no two share a prefix
                for i in range(sizes.class_students)]
-    _add_served(section, "upload", loaded, uploads, f"a class of {len(uploads)} students each comparing "
+    add_served_class(section, "upload", loaded, uploads, f"a class of {len(uploads)} students each comparing "
                 f"{len(specs)} configurations on their own {prompt}-token upload", log, sizes.repeats)
     rows = 2 * len(specs) - 1  # every configuration and, for those that part from full, a teacher-forced twin
     shared = linear_sharing(loaded, rows, RUNS_TOGETHER, max(3, sizes.repeats))
