@@ -1,8 +1,8 @@
 """Runs through the server's shared queue and the result store, with a progress bar and a Cancel button.
 
 A page names a request (:mod:`kvviz.runs`); it comes from this server's memory, else the result store, else it
-runs in the shared queue (round-robin across users, up to ``RUNS_TOGETHER`` runs at once whose comparisons decode in one
-batch) and is stored."""
+runs in the shared queue (round-robin across users, up to ``RUNS_TOGETHER`` runs at once as the admission policy admits
+them, whose comparisons decode in one batch) and is stored."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import streamlit as st
 from kvviz.cache.stats import AttentionStats
 from kvviz.engine.results import Comparison
 from kvviz.runs import AttentionRequest, CompareRequest, ResultStore, RunRequest
+from kvviz.runtime.admission import RunSize
 from kvviz.runtime.faults import describe_error
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.together import RUNS_TOGETHER
@@ -48,13 +49,14 @@ def _session_id() -> str:
 
 
 def through_queue(user: str, job: Callable[[Callable[[float, str], None]], T],
-                  progress: Callable[[float, str], None]) -> T:
-    """Run ``job`` in the shared queue while reporting the place in line, then the run's own progress.
+                  progress: Callable[[float, str], None], size: RunSize | None = None) -> T:
+    """Run ``job`` in the shared queue while reporting the place in line, then the run's own progress; ``size`` is
+    what the queue's admission policy weighs.
 
     Polling keeps the run alive; a page that stops polling (closed tab, rerun, Cancel) gives its slot back.
     """
     queue = run_queue()
-    ticket = queue.submit(user, job)
+    ticket = queue.submit(user, job, size)
     _active[user] = ticket
     shown, shown_at = None, 0.0
     try:
@@ -176,7 +178,8 @@ def stored_or_run(loaded: LoadedModel, request: RunRequest, user: str,
     found = store.load(loaded, request)
     if found is None:
         # looked up again when its turn comes: another user's identical run (a lesson step) may be stored by then
-        found = through_queue(user, lambda report: store.fetch(loaded, request, report), progress)
+        found = through_queue(user, lambda report: store.fetch(loaded, request, report), progress,
+                              request.run_size(loaded))
     return found
 
 

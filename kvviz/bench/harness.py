@@ -46,10 +46,10 @@ class Sizes:
     needle_lengths: tuple[int, ...] = (512, 1024, 2048)
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
     needle_tokens: int = 12
-    app_prompt: int = 2022  # the comparison (app, classroom): its upload, six configurations
+    app_prompt: int = 2022  # a 2K upload's comparison (app, classroom): its upload, six configurations
     app_tokens: int = 32
     lessons: bool = True  # time every lesson step (the app and classroom sections)
-    class_students: int = 30  # students serving the comparison in the classroom section (served, not projected)
+    class_students: int = 4  # the classroom section's class of 2K uploads, served both ways (each ~20 s on the CPU)
     batched_prompt: int = 2048
     batched_tokens: int = 32
     repeats: int = 2
