@@ -97,7 +97,7 @@ def test_a_running_job_whose_page_stopped_polling_is_abandoned():
 
 
 def test_the_third_of_three_users_is_told_two_runs_are_ahead():
-    from kvviz_app.queue import queue_message
+    from kvviz_app.progress_ui import queue_message
 
     queue = RunQueue()
     gate, job = _blocker()

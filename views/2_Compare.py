@@ -8,11 +8,21 @@ import streamlit as st
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.planning.memory import model_card
+from kvviz.runs import CompareRequest
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, item_from_link, method_output, native_report, prompt_input, token_texts
-from kvviz_app.queue import run_comparison
-from kvviz_app.url import choice_setting, flag_setting, linked, number_setting, plural, read_choice, share_settings
+from kvviz_app.results import run_button, run_pressed
+from kvviz_app.url import (
+    choice_setting,
+    flag_setting,
+    linked,
+    number_setting,
+    plural,
+    range_slider,
+    read_choice,
+    share_settings,
+)
 from kvviz_app.widgets import method_grid, methods_of
 
 MAX_CONFIGS = 6
@@ -67,17 +77,10 @@ share_settings(m=grid.shared, n=int(max_new), chat=chat)
 ids = item[0] if item is not None else encode(loaded, text, chat, int(max_new))
 if grid.blocked():
     st.warning(grid.blocked())
-if st.button("Run comparison", type="primary", disabled=ids is None or not grid.ready):
-    st.session_state["compare_request"] = (tuple(ids), tuple(valid), int(max_new))
-
-request = st.session_state.get("compare_request")
-if request is None:
-    st.info("Set up the configurations and press **Run comparison**.")
-    st.stop()
-if request != (tuple(ids or ()), tuple(valid), int(max_new)):
-    st.caption("Showing the last run; the settings above have changed since. Press **Run comparison** again.")
-
-comparison = run_comparison(loaded, list(request[0]), list(request[1]), request[2], "compare_request")
+asked = None if ids is None else CompareRequest(tuple(ids), tuple(valid), int(max_new))
+run_button("Run comparison", "compare_request", asked, disabled=asked is None or not grid.ready)
+_, comparison = run_pressed(loaded, "compare_request", "Set up the configurations and press **Run comparison**.",
+                            "Starting…", current=asked)
 results = comparison.results
 st.success(f"{plural(len(results), 'configuration')} on {comparison.prompt_tokens} prompt tokens "
            f"(prefill {comparison.prefill_seconds:.2f} s on {comparison.device}).")
@@ -178,7 +181,8 @@ def kept_view(measured: list) -> None:
     with layer_col:
         layer = number_setting("Layer", "layer", 0, 0, card.layers - 1, key="kept_layer", slider=True)
     last_step = max(0, len(result.token_ids) - 1)
-    step = step_col.slider("After decode step (0 = right after prefill)", 0, last_step, last_step, key="kept_step")
+    with step_col:
+        step = range_slider("After decode step (0 = right after prefill)", 0, last_step, last_step, key="kept_step")
     share_settings(kept=chosen, layer=layer)
     mask = result.ledger.kept_mask(step, comparison.prompt_tokens)[layer]
     prompt_tokens = token_texts(loaded.name, tuple(comparison.prompt_ids), loaded.tokenizer)

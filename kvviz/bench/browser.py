@@ -38,6 +38,11 @@ class ServedApp:
     url: str
     pid: int
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds the server process has used so far, every thread counted (user and system)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 @contextlib.contextmanager
 def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[ServedApp]:
