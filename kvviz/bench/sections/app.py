@@ -15,7 +15,7 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvviz.bench.browser import CHROMIUM_ARGS, ServedApp, chromium_path, script_done, served_app, settle
+from kvviz.bench.browser import CHROMIUM_ARGS, ServedApp, chromium_path, last_change, served_app, settle, watch_changes
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import prompt_tokens
@@ -49,14 +49,14 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     page.locator('[data-testid="stFileUploader"] input[type="file"]').first.set_input_files(str(upload))
     page.get_by_text(f"Using **{upload.name}**".replace("**", "")).first.wait_for(timeout=timeout * 1000)
     settle(page, timeout)
-    cpu, started = served.cpu_seconds(), time.perf_counter()
+    cpu, started = served.cpu_seconds(), watch_changes(page)
     page.get_by_role("button", name="Run comparison").click()
     page.get_by_text(f" on {prompt_tokens} prompt tokens").wait_for(timeout=timeout * 1000)
-    shown = time.perf_counter() - started
-    script_done(page, timeout, poll=0.05)
-    drawn = time.perf_counter() - started
+    shown = (page.evaluate("() => performance.now()") - started) / 1000
+    drawn = last_change(page, started, timeout=timeout)
+    server_cpu = served.cpu_seconds() - cpu
     settle(page, timeout)
-    return BrowserRun(shown, drawn, served.cpu_seconds() - cpu)
+    return BrowserRun(shown, drawn, server_cpu)
 
 
 # A step's run is on screen once its closing text is: the "Notice:" box (steps 1-5) or the closing caption (step 6).
@@ -142,7 +142,7 @@ def app(run: BenchRun) -> Section:
 
     def engine_run() -> None:
         started = time.perf_counter()
-        compare(loaded, ids, specs, sizes.app_tokens)
+        compare(loaded, ids, specs, sizes.app_tokens, reuse_prefix=False)
         engine.append(time.perf_counter() - started)
 
     with tempfile.TemporaryDirectory(prefix="kvviz-bench-app-") as folder:
@@ -161,19 +161,26 @@ def app(run: BenchRun) -> Section:
                 app_seconds = _compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
                                                   f"{base}/Compare?{query}", upload, len(ids), timeout, served).shown
                 engine_run()  # engine timed before and after the app, so a slow spell hits both sides
-                log("  app: the cached result, opened from a new session")
-                cached = _compare_in_browser(browser.new_page(), f"{base}/Compare?{query}", upload, len(ids),
-                                             timeout, served)
+                log(f"  app: the stored result, opened from {sizes.app_walks} new sessions")
+                cached = [_compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
+                                              f"{base}/Compare?{query}", upload, len(ids), timeout, served)
+                          for _ in range(sizes.app_walks)]
                 section.add("app_vs_engine", app_seconds / statistics.mean(engine), "x", "<= 1.15",
                             note=f"app {app_seconds:.1f} s, engine {statistics.mean(engine):.1f} s "
                                  f"({' / '.join(f'{e:.1f}' for e in engine)}); {len(specs)} configurations, "
-                                 f"{len(ids)} prompt tokens, {sizes.app_tokens} new tokens")
-                section.add("cached_rerender", cached.drawn, "s", "<= 1",
-                            note=f"from the click until the page's last element is drawn (results shown after "
-                                 f"{cached.shown:.2f} s)")
-                section.add("cached_rerender_server_seconds", cached.server_cpu, "s", "<= 0.2",
-                            note="the server process's CPU seconds (all threads) over that rerun: the script, "
-                                 "sending the page, and Streamlit's collection after the script")
+                                 f"{len(ids)} prompt tokens, {sizes.app_tokens} new tokens; both prefill fresh "
+                                 "(the engine's second run would otherwise reuse its first run's prefix) and pad "
+                                 "rows alike (compare's running batch)")
+                drawn = [walk.drawn for walk in cached]
+                section.add("cached_rerender", statistics.median(drawn), "s", "<= 1.5",
+                            note=f"median of {sizes.app_walks} new sessions, from the click until the page last "
+                                 f"changed ({' / '.join(f'{d:.2f}' for d in drawn)} s)")
+                section.add("cached_first_result", statistics.median(w.shown for w in cached), "s", "<= 0.6",
+                            note="from the click until the success line shows")
+                section.add("cached_rerender_server_seconds", statistics.median(w.server_cpu for w in cached), "s",
+                            "<= 0.2", note="the server process's CPU seconds (all threads) over that rerun, median: "
+                                           "the script, sending the page, and Streamlit's collection after the "
+                                           "script")
                 if sizes.lessons:
                     _time_lessons(section, browser, base, timeout, log)
             finally:
