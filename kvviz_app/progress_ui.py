@@ -75,7 +75,7 @@ def through_queue(user: str, job: Callable[[Progress], T], progress: Progress, s
     return ticket.result
 
 
-def _cancel(request_key: str | None) -> None:
+def cancel_run(request_key: str | None) -> None:
     """The Cancel button's callback (it runs before the rerun it causes): stop this session's run and forget the
     request that asked for it, so the page does not ask again."""
     ticket = st.session_state.get(TICKET_KEY)
@@ -97,7 +97,7 @@ def with_progress(compute: Callable[[str, Progress], T], start_text: str, reques
         st.info(notice)
     bar = st.progress(0.0, text=start_text)
     cancel = st.empty()
-    cancel.button("Cancel run", key=f"cancel_{request_key or start_text}", on_click=_cancel, args=(request_key,))
+    cancel.button("Cancel run", key=f"cancel_{request_key or start_text}", on_click=cancel_run, args=(request_key,))
     try:
         result = compute(session_id(), lambda f, m: bar.progress(min(1.0, max(0.0, f)), text=m))
     except RunFailed as error:
