@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvviz.runtime.admission import ADMISSION, Admission, RunSize
+from kvviz.runtime.progress import Progress
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED, ABANDONED = "queued", "running", "done", "failed", "cancelled", "abandoned"
 FINISHED = (DONE, FAILED, CANCELLED, ABANDONED)
@@ -33,7 +34,6 @@ class Cancelled(Exception):
     """Raised inside a run when its user cancelled it."""
 
 
-Progress = Callable[[float, str], None]
 Job = Callable[[Progress], Any]
 ErrorFormatter = Callable[[BaseException], str]
 

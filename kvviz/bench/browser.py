@@ -40,8 +40,30 @@ class ServedApp:
 
     def cpu_seconds(self) -> float:
         """CPU seconds the server process has used so far, every thread counted (user and system)."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return process_cpu_seconds(self.pid)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far, every thread counted (user and system); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def browser_cpu_seconds() -> float:
+    """CPU seconds the chromium processes on this machine have used so far (what a browser on the server's own
+    cores takes from the model while it draws the page)."""
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/comm"):
+        try:
+            name = stat.read_text().strip()
+        except OSError:
+            continue
+        if name.startswith(("chrom", "headless_shell")):
+            total += process_cpu_seconds(int(stat.parent.name))
+    return total
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ Then the same result opened again from a new browser session (cached), and every
 
 from __future__ import annotations
 
+import re
 import statistics
 import tempfile
 import time
@@ -15,7 +16,16 @@ import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvviz.bench.browser import CHROMIUM_ARGS, ServedApp, chromium_path, last_change, served_app, settle, watch_changes
+from kvviz.bench.browser import (
+    CHROMIUM_ARGS,
+    ServedApp,
+    browser_cpu_seconds,
+    chromium_path,
+    last_change,
+    served_app,
+    settle,
+    watch_changes,
+)
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import prompt_tokens
@@ -33,11 +43,14 @@ def upload_prompt_text(loaded: LoadedModel, tokens: int) -> str:
 @dataclass(frozen=True)
 class BrowserRun:
     """One press of Run on Compare: seconds from the click until the results appear and until the page's last
-    element is drawn, and the server's CPU seconds over that rerun."""
+    element is drawn, the server's and the browser's CPU seconds over that rerun, and the prefill seconds the page
+    reports."""
 
     shown: float
     drawn: float
     server_cpu: float
+    prefill: float
+    browser_cpu: float
 
 
 def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeout: float,
@@ -49,14 +62,16 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     page.locator('[data-testid="stFileUploader"] input[type="file"]').first.set_input_files(str(upload))
     page.get_by_text(f"Using **{upload.name}**".replace("**", "")).first.wait_for(timeout=timeout * 1000)
     settle(page, timeout)
-    cpu, started = served.cpu_seconds(), watch_changes(page)
+    cpu, browser_cpu, started = served.cpu_seconds(), browser_cpu_seconds(), watch_changes(page)
     page.get_by_role("button", name="Run comparison").click()
-    page.get_by_text(f" on {prompt_tokens} prompt tokens").wait_for(timeout=timeout * 1000)
+    success = page.get_by_text(f" on {prompt_tokens} prompt tokens")
+    success.wait_for(timeout=timeout * 1000)
     shown = (page.evaluate("() => performance.now()") - started) / 1000
+    prefill = float(re.search(r"prefill ([0-9.]+) s", success.inner_text()).group(1))
     drawn = last_change(page, started, timeout=timeout)
-    server_cpu = served.cpu_seconds() - cpu
+    server_cpu, browser_cpu = served.cpu_seconds() - cpu, browser_cpu_seconds() - browser_cpu
     settle(page, timeout)
-    return BrowserRun(shown, drawn, server_cpu)
+    return BrowserRun(shown, drawn, server_cpu, prefill, browser_cpu)
 
 
 # A step's run is on screen once its closing text is: the "Notice:" box (steps 1-5) or the closing caption (step 6).
@@ -138,11 +153,11 @@ def app(run: BenchRun) -> Section:
     ids = encode_prompt(loaded.tokenizer, text, chat=True)
     specs = list(app_specs(sizes.app_prompt))
     timeout = 1800.0
-    engine = []
+    engine, engine_prefill = [], []
 
     def engine_run() -> None:
         started = time.perf_counter()
-        compare(loaded, ids, specs, sizes.app_tokens, reuse_prefix=False)
+        engine_prefill.append(compare(loaded, ids, specs, sizes.app_tokens, reuse_prefix=False).prefill_seconds)
         engine.append(time.perf_counter() - started)
 
     with tempfile.TemporaryDirectory(prefix="kvviz-bench-app-") as folder:
@@ -158,8 +173,9 @@ def app(run: BenchRun) -> Section:
             browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
             try:
                 log("  app: the same comparison through the Compare page")
-                app_seconds = _compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
-                                                  f"{base}/Compare?{query}", upload, len(ids), timeout, served).shown
+                served_run = _compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
+                                                 f"{base}/Compare?{query}", upload, len(ids), timeout, served)
+                app_seconds = served_run.shown
                 engine_run()  # engine timed before and after the app, so a slow spell hits both sides
                 log(f"  app: the stored result, opened from {sizes.app_walks} new sessions")
                 cached = [_compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
@@ -171,6 +187,10 @@ def app(run: BenchRun) -> Section:
                                  f"{len(ids)} prompt tokens, {sizes.app_tokens} new tokens; both prefill fresh "
                                  "(the engine's second run would otherwise reuse its first run's prefix) and pad "
                                  "rows alike (compare's running batch)")
+                section.add("app_prefill_vs_engine", served_run.prefill / statistics.mean(engine_prefill), "x",
+                            note=f"the prefill the page reports, {served_run.prefill:.2f} s, against the engine's "
+                                 f"{' / '.join(f'{p:.2f}' for p in engine_prefill)} s; chromium, on the same cores, "
+                                 f"used {served_run.browser_cpu:.1f} CPU s over the app's run")
                 drawn = [walk.drawn for walk in cached]
                 section.add("cached_rerender", statistics.median(drawn), "s", "<= 1.5",
                             note=f"median of {sizes.app_walks} new sessions, from the click until the page last "
