@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
+import torch
+
 from kvviz.runtime.models import DEFAULT_MODEL, LoadedModel, load_model
 
 RAY_REQUIREMENT = "ray[client]==2.60.0"  # as requirements.txt pins it
@@ -110,14 +112,18 @@ def connect(config: ClusterConfig) -> None:
 
 
 class _Worker:
-    """A Ray actor's body: loads the model once (again after a restart) and runs jobs on it."""
+    """A Ray actor's body: loads the model once (again after a restart) and runs jobs on it, on ``threads`` torch
+    threads when given (else the CPUs Ray gave it)."""
 
-    def __init__(self, source: ModelSource):
+    def __init__(self, source: ModelSource, threads: int | None):
         self.source = source
+        self.threads = threads
         self.loaded: LoadedModel | None = None
 
     def _model(self) -> LoadedModel:
         if self.loaded is None:
+            if self.threads:
+                torch.set_num_threads(self.threads)
             self.loaded = self.source.load()
         return self.loaded
 
@@ -140,7 +146,11 @@ class _Worker:
 
 
 class WorkerPool:
-    """``size`` Ray actors, each holding the model, one GPU each where the cluster has GPUs."""
+    """``size`` Ray actors, each holding the model, one GPU each where the cluster has GPUs.
+
+    On a local instance each worker runs as many torch threads as this process: a CPU's matrix multiply sums in an
+    order that depends on its thread count, so only then do a worker's figures equal this process's to the last bit
+    (several workers then share the cores). On a cluster each worker uses what Ray gives it."""
 
     def __init__(self, config: ClusterConfig, source: ModelSource):
         ray = import_ray()
@@ -150,9 +160,17 @@ class WorkerPool:
         self.size = config.workers or max(1, gpus)
         self.address = config.describe()
         cpus = max(1, int(resources.get("CPU", 1)) // self.size) if not gpus else 1
+        kind, need = ("GPU", self.size) if gpus else ("CPU", cpus * self.size)
+        deadline = time.monotonic() + CONNECT_SECONDS  # workers just stopped take a moment to hand theirs back
+        while (free := ray.available_resources().get(kind, 0)) < need and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if free < need:  # the actors would wait for them forever
+            raise ClusterError(f"{self.size} worker{'s' if self.size != 1 else ''} need {need} {kind}s; the cluster "
+                               f"at {self.address} has {free:g} free")
         actor = ray.remote(_Worker).options(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=RETRIES,
                                             max_task_retries=RETRIES)
-        self.actors = [actor.remote(source) for _ in range(self.size)]
+        threads = torch.get_num_threads() if config.address is None else None
+        self.actors = [actor.remote(source, threads) for _ in range(self.size)]
         found = ray.get([a.identify.remote() for a in self.actors])
         problems = [f for f in found if isinstance(f, str)]
         if problems:

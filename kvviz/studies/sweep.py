@@ -293,7 +293,7 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     if workload.kind == "prompt" and workload.answered:
         rules["answer"] = ANSWER_RULE
         rules["agreement_interval"] = BOOTSTRAP_RULE
-    if progress is not None:
+    if progress is not None and shard_run is None:  # a sharded sweep's bar ends with its last shard
         progress(1.0, "done")
     return SweepReport(loaded.name, workload.describe(), workload.kind, measured.prompt_tokens, list(budgets),
                        families, points, frontiers, summary, time.perf_counter() - started, notes, measured.items,

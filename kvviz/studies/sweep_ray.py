@@ -9,7 +9,6 @@ keeps every shard that finished; running it again measures only the missing ones
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Protocol
 
 from kvviz.runtime.cluster import ClusterConfig, ModelSource, WorkerIdentity, WorkerPool
@@ -33,10 +32,24 @@ def measure_shard(loaded: LoadedModel, workload: Workload, specs: tuple[str, ...
     return measure_rows(loaded, workload, list(specs), items)
 
 
-@functools.cache
+_pools: dict[tuple[ClusterConfig, ModelSource], WorkerPool] = {}
+
+
 def worker_pool(config: ClusterConfig, source: ModelSource) -> WorkerPool:
-    """The workers of ``config`` holding ``source``'s model, started once per process and kept for later sweeps."""
-    return WorkerPool(config, source)
+    """The workers of ``config`` holding ``source``'s model, started once per process and kept for later sweeps
+    (workers for another model or count replace them)."""
+    key = (config, source)
+    if key not in _pools:
+        release_workers()
+        _pools[key] = WorkerPool(config, source)
+    return _pools[key]
+
+
+def release_workers() -> None:
+    """Stop the workers this process keeps (their CPUs and GPUs go back to the cluster)."""
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
 
 
 def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload, store: ShardStore | None):
@@ -44,11 +57,7 @@ def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload,
     cluster ``config`` names, reusing and saving shards in ``store``."""
 
     def measure(specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun]:
-        try:
-            pool = worker_pool(config, source)
-        except Exception:
-            worker_pool.cache_clear()  # a failed start is not kept: the next sweep tries again
-            raise
+        pool = worker_pool(config, source)
         identity: WorkerIdentity = pool.identity
         count = item_count(workload)
         shards = [ShardKey(workload, tuple(specs), items)
