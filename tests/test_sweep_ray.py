@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: the node is 127.0.0.1
 ray = pytest.importorskip("ray")
 
 from kvviz.cli import main  # noqa: E402
@@ -26,7 +27,8 @@ TIMED = ("seconds", "shard_seconds", "ray_address", "workers", "shards", "shards
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
     yield
     release_workers()
     ray.shutdown()
@@ -110,7 +112,7 @@ def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(clust
 
 def test_a_worker_without_the_model_is_named(cluster):
     release_workers()
-    with pytest.raises(ClusterError, match=r"worker [\d.]+ \(pid \d+\) cannot load kvviz-test/no-such-model"):
+    with pytest.raises(ClusterError, match=r"worker 127\.0\.0\.1 \(pid \d+\) cannot load kvviz-test/no-such-model"):
         WorkerPool(ClusterConfig(workers=1), ModelSource("kvviz-test/no-such-model", "cpu"))
 
 

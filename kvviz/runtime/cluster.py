@@ -94,13 +94,14 @@ def check_reachable(address: str, timeout: float = CONNECT_SECONDS) -> None:
 
 
 def connect(config: ClusterConfig) -> None:
-    """Join the cluster ``config`` names, or start a local instance on loopback; nothing when Ray already runs in
-    this process (a server or a test keeps one)."""
+    """Join the cluster ``config`` names, or start a local instance whose processes listen on 127.0.0.1 only;
+    nothing when Ray already runs in this process (a server or a test keeps one)."""
+    if config.address is None:  # read when Ray is imported: a node of one then takes 127.0.0.1 as its address
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray = import_ray()
     if ray.is_initialized():
         return
     if config.address is None:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
                  log_to_driver=False, configure_logging=False)
         return
