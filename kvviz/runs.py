@@ -23,6 +23,7 @@ from kvviz.cache.stats import AttentionStats
 from kvviz.engine.results import Comparison
 from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
+from kvviz.runtime.admission import RunSize
 from kvviz.runtime.cluster import ClusterConfig, ModelSource
 from kvviz.runtime.models import LoadedModel, cache_dir
 from kvviz.runtime.progress import Progress
@@ -56,6 +57,11 @@ class RunRequest:
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> Any:
         raise NotImplementedError
 
+    def run_size(self, loaded: LoadedModel) -> RunSize:
+        """What the run puts on the model, for the admission policy (:mod:`kvviz.runtime.admission`): a study holds
+        the model's lock throughout, so by default a run is served alone."""
+        return RunSize(device=loaded.device, shares=False)
+
 
 @dataclass(frozen=True)
 class CompareRequest(RunRequest):
@@ -68,6 +74,10 @@ class CompareRequest(RunRequest):
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> Comparison:
         return compare(loaded, list(self.prompt_ids), list(self.specs), self.max_new_tokens, progress=progress)
+
+    def run_size(self, loaded: LoadedModel) -> RunSize:
+        """Every configuration's row attends over the prompt at each step (and joins the running batch)."""
+        return RunSize(len(self.prompt_ids) * len(self.specs), loaded.device)
 
 
 class _LayerProgress:
@@ -107,6 +117,10 @@ class AttentionRequest(RunRequest):
         listeners = [_LayerProgress(card.layers, progress)] if progress is not None else []
         with loaded.lock:
             return PromptSession(loaded, list(self.prompt_ids)).prefill(config, listeners).stats
+
+    def run_size(self, loaded: LoadedModel) -> RunSize:
+        """One prefill under the model's lock, between the running batch's steps."""
+        return RunSize(len(self.prompt_ids), loaded.device)
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,16 @@
 """A fair run queue for many users sharing one model on one device.
 
-Page loads and cached results never touch it; only runs that need the model do. ``together`` worker threads run up
-to that many runs at once, at most one per user: comparisons among them decode in one running batch, one forward
-per step for all their rows (the engine's :mod:`kvviz.runtime.together`; the queue only admits runs, the engine batches
-them), while other runs on the model take its lock in turn. Order is round-robin across users (each user's runs
-FIFO), so a student who queues five comparisons does not starve the others, and nobody waits behind more than one
-run of each other user. Users see their position, can cancel (queued runs leave at once, a running one stops at
-its next progress report, which in a batch is its next decode step), and a run whose page stopped polling (the
-browser went away) is dropped, queued or running.
+Page loads and cached results never touch it; only runs that need the model do. ``together`` worker threads run up to
+that many runs at once, at most one per user, as the engine's admission policy admits them
+(:mod:`kvviz.runtime.admission`: on a CPU short comparisons start together and a long upload's comparison alone, so
+decoding together does not make the class wait longer than one at a time): comparisons among them decode in one
+running batch, one forward per step for all their rows (the engine's :mod:`kvviz.runtime.together`; the queue only
+admits runs, the engine batches them), while other runs on the model take its lock in turn. Order is round-robin
+across users (each user's runs FIFO), so a student who queues five comparisons does not starve the others, and nobody
+waits behind more than one run of each other user; the next run in that order that the policy does not admit yet waits
+for runs in progress to finish, and nobody overtakes it. Users see their position, can cancel (queued runs leave at
+once, a running one stops at its next progress report, which in a batch is its next decode step), and a run whose page
+stopped polling (the browser went away) is dropped, queued or running.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvviz.runtime.admission import ADMISSION, Admission, RunSize
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED, ABANDONED = "queued", "running", "done", "failed", "cancelled", "abandoned"
 FINISHED = (DONE, FAILED, CANCELLED, ABANDONED)
@@ -39,6 +44,7 @@ class Ticket:
 
     user: str
     job: Job = field(repr=False)
+    size: RunSize = field(default_factory=RunSize)  # what the admission policy weighs (nothing declared: counts only)
     number: int = 0
     status: str = QUEUED
     fraction: float = 0.0
@@ -82,12 +88,13 @@ class FinishedRun:
 
 
 class RunQueue:
-    """Round-robin queue with ``together`` workers (runs at once, one per user); ``abandon_after`` seconds without
-    ``touch`` drops a run."""
+    """Round-robin queue with ``together`` workers (runs at once, one per user) starting runs as ``admission``
+    admits them; ``abandon_after`` seconds without ``touch`` drops a run."""
 
     def __init__(self, abandon_after: float = 30.0, format_error: ErrorFormatter | None = None,
-                 history: int = 1000, together: int = 1):
+                 history: int = 1000, together: int = 1, admission: Admission = ADMISSION):
         self.abandon_after = abandon_after
+        self.admission = admission
         self.history: deque[FinishedRun] = deque(maxlen=history)  # oldest first: waits and fairness
         self.format_error = format_error or (lambda error: f"{type(error).__name__}: {error}")
         self._lock = threading.Condition()
@@ -99,8 +106,10 @@ class RunQueue:
         for worker in self._workers:
             worker.start()
 
-    def submit(self, user: str, job: Job) -> Ticket:
-        ticket = Ticket(user=user, job=job, number=next(self._numbers))
+    def submit(self, user: str, job: Job, size: RunSize | None = None) -> Ticket:
+        """Queue ``job`` for ``user``; ``size`` (the run's, :meth:`kvviz.runs.RunRequest.run_size`) is what the
+        admission policy weighs."""
+        ticket = Ticket(user=user, job=job, size=size or RunSize(), number=next(self._numbers))
         with self._lock:
             self._per_user.setdefault(user, deque()).append(ticket)
             self._lock.notify_all()
@@ -134,7 +143,9 @@ class RunQueue:
                 self._drop_stale()
                 running_users = {ticket.user for ticket in self._running}
                 user = next((user for user in self._per_user if user not in running_users), None)
-                if user is not None:  # the first user in the round without a run in progress
+                if user is not None and self.admission.admits([ticket.size for ticket in self._running],
+                                                              self._per_user[user][0].size):
+                    # the first user in the round without a run in progress, whose run the policy admits now
                     queue = self._per_user.pop(user)
                     ticket = queue.popleft()
                     if queue:  # this user goes to the back of the round

@@ -168,10 +168,18 @@ def linked(key: str, read: Read[T], make: Callable[[T], V]) -> V:
     return value
 
 
+def range_slider(label: str, low: T, high: T, value: T, *, key: str, **options) -> T:
+    """A slider over ``[low, high]``; where the range holds one value (a one-token run, a one-layer model) the value
+    shown in a disabled number input, since Streamlit refuses a slider whose min equals its max."""
+    if high > low:
+        return st.slider(label, low, high, value, key=key, **options)
+    return st.number_input(label, low, high, low, key=key, disabled=True, **options)
+
+
 def number_setting(label: str, name: str, default: T, low: T, high: T, *, key: str, slider: bool = False,
                    **options) -> T:
     """A number input (or slider) starting from the link's ``name``, clamped into ``[low, high]``."""
-    widget = st.slider if slider else st.number_input
+    widget = range_slider if slider else st.number_input
     return linked(key, read_number(name, default, low, high),
                   lambda value: widget(label, low, high, value, key=key, **options))
 
@@ -180,6 +188,8 @@ def choice_setting(label: str, name: str, options: Sequence[T], default: T, *, k
                    widget: Callable = st.selectbox, cast: Callable[[str], T] = str, **kwargs) -> T:
     """A selectbox, radio or select slider starting from the link's ``name`` (one of ``options``)."""
     read = read_choice(name, default, options, cast, ordered=widget is st.select_slider)
+    if widget is st.select_slider and len(options) < 2:
+        widget = st.selectbox  # a select slider needs two ends (Streamlit's slider refuses min == max)
     if widget is st.select_slider:
         return linked(key, read, lambda value: widget(label, options, value=value, key=key, **kwargs))
     return linked(key, read, lambda value: widget(label, options, index=list(options).index(value), key=key,

@@ -62,9 +62,16 @@ def test_compare_page_runs_methods_and_reports(monkeypatch):
     assert table["agreement"][0] == 1.0 and table["error"].eq("").all()
     assert table["compression"][2] > 1  # 2-bit keys and values
     assert any(s.value.startswith("3 configurations") for s in app.success)
-    assert len(app.get("plotly_chart")) >= 4  # memory bars, growth, quantization error, kept/evicted heatmap
-    assert "Quantization error" in texts(app.subheader)
-    assert any("of prompt tokens cached" in c.value for c in app.caption)
+    assert not app.get("plotly_chart"), "diagnostics are drawn when asked for"
+    drawn = {}
+    for view in ("Memory", "Divergence", "Quantization error", "Kept tokens"):
+        app.button_group(key="compare_show").set_value(view).run()
+        assert not app.exception and app.query_params["show"] == view
+        drawn[view] = (len(app.get("plotly_chart")), " ".join(c.value for c in app.caption))
+    # memory bars, savings per axis, growth; KL; reconstruction + key channels; the kept heatmap
+    assert [count for count, _ in drawn.values()] == [3, 1, 2, 1], drawn
+    assert "of prompt tokens cached" in drawn["Kept tokens"][1]
+    assert "quantized per channel" in drawn["Quantization error"][1]
     assert [b.label for b in app.get("download_button")] == ["Results as CSV", "Results as JSON"]
     assert app.query_params["m"] == specs
 
@@ -147,6 +154,7 @@ def test_compare_page_says_what_native_presses_did_and_refuses_an_unmappable_one
                                                "Which tokens were merged into which survivor, per layer x KV head"]
     assert any("Not shown: kvpress keyscaling changed keys" in w for w in texts(app.warning))
     assert app.dataframe[0].value["error"][3].startswith("kvpress keyscaling changed keys")
+    app.button_group(key="compare_show").set_value("Kept tokens").run()
     assert "kvpress_native:press=keyscaling" not in app.selectbox(key="kept_method").options
 
 
@@ -181,4 +189,5 @@ def test_compare_draws_a_widget_per_press_field_and_runs_the_chosen_values():
     spec = "kvpress_native:press=streamingllm,compression_ratio=0.75,n_sink=2"
     assert list(app.dataframe[0].value["method"]) == ["full", spec]
     assert app.query_params["m"] == ["full", spec]
+    app.button_group(key="compare_show").set_value("Kept tokens").run()
     assert app.selectbox(key="kept_method").options == [spec]  # its ledger: a quarter of the prompt kept

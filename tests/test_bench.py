@@ -31,9 +31,10 @@ def test_quick_bench_reports_every_section(real_model):
     assert "replay_vs_generate" in figures["replay_vs_generate"]
     assert any(name.startswith("stats_growth@") for name in figures["capture"])
     assert "worst" in figures["kv_bytes"]
-    assert {"student_comparison", "class_mix_wait_p95", "class_issue_wait_p95"} <= figures["classroom"]
-    assert {"class_mix_together_vs_one_at_a_time", "class_issue_together_p95", "class_issue_one_at_a_time_p95"} <= (
-        figures["classroom"]), "the class served both ways"
+    assert {"student_comparison", "short_projected_wait_p95", "upload_projected_wait_p95"} <= figures["classroom"]
+    assert {"short_together_vs_one_at_a_time", "upload_together_vs_one_at_a_time",
+            "upload_wait_p50_together_vs_one_at_a_time", "upload_together_wait_p95",
+            "upload_one_at_a_time_wait_p95"} <= figures["classroom"], "both classes served both ways"
     assert {"floor_seconds", "batched_decode_vs_floor", "same_tokens"} <= figures["batched_compare"]
     assert all("load_average" in names for names in figures.values()), "each section says how busy the machine was"
     by_name = {s.name: {f.name: f for f in s.figures} for s in report.sections}
@@ -77,8 +78,8 @@ def test_gpu_check_dry_run_runs_the_script_on_the_cpu(tmp_path, real_model):
     figures = {f["name"]: f["value"] for f in classroom["figures"]}
     assert all(figures[f"lesson_{step}_cold"] > 0 for step in range(1, 7)), figures
     mix = figures["lesson_1_cold"] + 25 * figures["student_comparison"]
-    assert figures["class_mix_all_done"] == pytest.approx(mix, rel=0.01), "figures are rounded to 4 decimals"
-    assert figures["class_issue_all_done"] == pytest.approx(30 * figures["issue_comparison"], rel=1e-3)
+    assert figures["short_projected_all_done"] == pytest.approx(mix, rel=0.01), "figures are rounded to 4 decimals"
+    assert figures["upload_projected_all_done"] == pytest.approx(30 * figures["upload_comparison"], rel=1e-3)
 
 
 def test_cli_bench_class_students_sizes_the_classrooms_heavy_half(tmp_path, capsys):
@@ -86,13 +87,15 @@ def test_cli_bench_class_students_sizes_the_classrooms_heavy_half(tmp_path, caps
     assert main(["bench", "--quick", "--random-model", "tiny", "--device", "cpu", "--json", str(out),
                  "--sections", "classroom", "--class-students", "2"]) == 0
     figures = {f["name"]: f for s in json.loads(out.read_text())["sections"] for f in s["figures"]}
-    assert figures["class_issue_one_at_a_time_p50"]["note"].startswith("2 students' comparisons")
-    assert "prefill forwards fed more than one run" in figures["class_mix_together_all_done"]["note"]
-    assert 0 < figures["class_issue_decode_share"]["value"] < 1, "decode steps are part of a run, not all of it"
-    assert figures["class_issue_decode_together_vs_apart"]["value"] > 0
-    assert "all done would be" in figures["class_issue_decode_together_vs_apart"]["note"]
-    assert 0 < figures["class_issue_linear_together_vs_apart"]["value"], "what a batch shares, measured"
-    assert "the linear layers for 8 runs' 5 rows" in figures["class_issue_linear_together_vs_apart"]["note"]
+    assert figures["upload_one_at_a_time_wait_p50"]["note"].startswith("a class of 2 students each comparing")
+    assert "one run at a time (at most 1 at once here)" in figures["upload_one_at_a_time_wait_p50"]["note"]
+    assert "prefill forwards fed more than one run" in figures["short_together_all_done"]["note"]
+    assert 0 < figures["upload_decode_share"]["value"] < 1, "decode steps are part of a run, not all of it"
+    assert figures["upload_decode_together_vs_apart"]["value"] > 0
+    assert "all done would be" in figures["upload_decode_together_vs_apart"]["note"]
+    assert figures["upload_wait_p50_together_vs_one_at_a_time"]["target"] == "<= 1.0"
+    assert 0 < figures["upload_linear_together_vs_apart"]["value"], "what a batch shares, measured"
+    assert "the linear layers for 8 runs' 5 rows" in figures["upload_linear_together_vs_apart"]["note"]
     assert main(["bench", "--quick", "--class-students", "0"]) == 2
     assert "--class-students must be at least 1" in capsys.readouterr().err
 

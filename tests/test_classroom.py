@@ -1,8 +1,16 @@
-"""The class-of-30 projection: a queue that serves one run at a time, from per-run seconds measured on a machine."""
+"""The class-of-30 projection: a queue that serves one run at a time, from per-run seconds measured on a machine; and
+a class served both ways, one at a time and as the server admits runs together."""
+
+import time
+from types import SimpleNamespace
 
 import pytest
 
+from kvviz.bench.harness import Section
+from kvviz.bench.sections.classroom import add_served_class
 from kvviz.planning.classroom import ClassRun, percentile, project_class, queue_waits
+from kvviz.runs import RunRequest
+from kvviz.runtime.admission import CPU_POSITIONS, RunSize
 
 
 def test_each_run_waits_for_every_run_queued_before_it():
@@ -27,3 +35,43 @@ def test_a_shared_lesson_run_counts_its_students_once_in_the_queue():
 def test_a_class_without_runs_is_refused():
     with pytest.raises(ValueError, match="at least one run"):
         project_class([])
+
+
+class _Run(RunRequest):
+    """A run that only takes a little time, of a given size."""
+
+    def __init__(self, positions: int, log: list[str]):
+        self.positions, self.log = positions, log
+
+    def compute(self, loaded, progress=None):
+        self.log.append("run")
+        time.sleep(0.02)
+
+    def run_size(self, loaded) -> RunSize:
+        return RunSize(self.positions, loaded.device)
+
+
+def _served(positions: int, runs: int = 3, repeats: int = 2) -> tuple[dict, int]:
+    """A class of ``runs`` such runs served both ways: its figures by name, and how many runs computed."""
+    loaded = SimpleNamespace(device="cpu", decoder=SimpleNamespace(shared_forwards=0, seconds=0.0),
+                             prefills=SimpleNamespace(shared_forwards=0))
+    computed: list[str] = []
+    section = Section("classroom", "")
+    add_served_class(section, "upload", loaded, [_Run(positions, computed) for _ in range(runs)], "a class", print,
+                repeats)
+    return {figure.name: figure for figure in section.figures}, len(computed)
+
+
+def test_a_class_the_server_admits_together_is_served_both_ways():
+    figures, computed = _served(100)
+    assert computed == 2 * 2 * 3
+    assert "(at most 3 at once here)" in figures["upload_together_wait_p50"].note
+
+
+def test_a_class_whose_runs_the_server_starts_alone_is_served_one_at_a_time_once():
+    """Served together it would be the very same schedule: only the machine's noise would differ."""
+    figures, computed = _served(CPU_POSITIONS + 1)
+    assert computed == 2 * 3
+    assert figures["upload_together_wait_p50"].value == figures["upload_one_at_a_time_wait_p50"].value
+    assert figures["upload_wait_p50_together_vs_one_at_a_time"].value == 1.0
+    assert "by construction" in figures["upload_wait_p50_together_vs_one_at_a_time"].note

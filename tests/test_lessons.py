@@ -50,7 +50,7 @@ class _Stopped(Exception):
 def test_each_step_runs_the_requests_the_bench_times(real_model, monkeypatch):
     """The classroom bench section (and scripts/gpu_check.sh) time ``step_requests``; the page must run exactly those.
     Attention requests run for real (short prompts), comparisons are recorded and stopped."""
-    from kvviz_app import queue
+    from kvviz_app import results
 
     asked = []
 
@@ -60,7 +60,7 @@ def test_each_step_runs_the_requests_the_bench_times(real_model, monkeypatch):
             raise _Stopped
         return request.compute(loaded)
 
-    monkeypatch.setattr(queue, "run_request", record)
+    monkeypatch.setattr(results, "result_for", record)
     expected = step_requests(real_model)
     for number, (key, requests) in enumerate(expected.items(), 1):
         asked.clear()

@@ -83,21 +83,11 @@ def runtime_kept_between_runs(monkeypatch):
     monkeypatch.setattr(Runtime, "exists", classmethod(lambda cls: cls._instance is not None or bool(kept)))
 
 
-@pytest.fixture
-def one_id_per_session(monkeypatch):
-    """AppTest gives every session the id 'test session id'; a server gives each browser tab its own."""
-    from streamlit.runtime.scriptrunner import get_script_run_ctx
-
-    from kvviz_app import queue as app_queue
-
-    monkeypatch.setattr(app_queue, "_session_id", lambda: f"session-{id(get_script_run_ctx().session_state)}")
-
-
 @pytest.mark.slow
 def test_a_class_of_30_decoding_together_all_finish_fairly_with_single_user_results(real_model, one_script_cache,
-                                                                                    one_id_per_session,
                                                                                     runtime_kept_between_runs):
-    from kvviz_app.queue import run_queue
+    """Each AppTest is its own session with its own id in the queue, as each browser tab is."""
+    from kvviz_app.progress_ui import run_queue
 
     queue = run_queue()
     already, shared_before, prefills_before = len(queue.history), shared_forwards(), shared_prefills()

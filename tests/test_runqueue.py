@@ -3,6 +3,7 @@
 import threading
 import time
 
+from kvviz.runtime.admission import RunSize
 from kvviz_app.runqueue import ABANDONED, CANCELLED, DONE, FAILED, RunQueue
 
 
@@ -96,7 +97,7 @@ def test_a_running_job_whose_page_stopped_polling_is_abandoned():
 
 
 def test_the_third_of_three_users_is_told_two_runs_are_ahead():
-    from kvviz_app.queue import queue_message
+    from kvviz_app.progress_ui import queue_message
 
     queue = RunQueue()
     gate, job = _blocker()
@@ -146,3 +147,36 @@ def test_the_queue_remembers_finished_runs_without_their_results():
     assert (record.user, record.status, record.number) == ("alice", DONE, ticket.number)
     assert record.submitted_at <= record.started_at <= record.finished_at
     assert not hasattr(record, "result") and not hasattr(record, "job")
+
+
+def test_the_queue_starts_runs_as_the_admission_policy_admits_them():
+    """On a CPU two short comparisons start together; the long upload behind them waits until both are done and runs
+    alone, and the short run behind it does not overtake it."""
+    queue = RunQueue(together=4)
+    gate = threading.Event()
+    running: list[set[str]] = []
+    now: set[str] = set()
+
+    def blocking(name):
+        def job(progress):
+            now.add(name)
+            running.append(set(now))
+            gate.wait(5)
+            time.sleep(0.05)
+            now.discard(name)
+            return name
+        return job
+
+    short, upload = RunSize(80, "cpu"), RunSize(2022 * 6, "cpu")
+    tickets = [queue.submit(user, blocking(user), size) for user, size in
+               (("s1", short), ("s2", short), ("upload", upload), ("s3", short))]
+    deadline = time.monotonic() + 5
+    while len(running) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert len(running) == 2 and {"s1", "s2"} in running, "the two short runs together"
+    assert tickets[2].status == tickets[3].status == "queued"
+    gate.set()
+    for ticket in tickets:
+        assert ticket.done.wait(5) and ticket.status == DONE
+    assert running[2:] == [{"upload"}, {"s3"}], "the upload alone, then the short run behind it"

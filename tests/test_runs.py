@@ -73,7 +73,7 @@ def test_unreadable_result_is_recomputed(tmp_path):
 
 @pytest.mark.slow
 def test_page_opened_after_warm_up_does_not_run_the_model(real_model, monkeypatch):
-    from kvviz_app.queue import recent_results
+    from kvviz_app.recent import recent_results
     from kvviz_app.warm import warm
 
     runs = warm(["Compare"])
@@ -91,7 +91,7 @@ def test_page_opened_after_warm_up_does_not_run_the_model(real_model, monkeypatc
 
 
 def test_recent_results_return_the_same_object_and_drop_the_least_recently_used():
-    from kvviz_app.queue import RecentResults
+    from kvviz_app.recent import RecentResults
 
     memory, first = RecentResults(size=2), {"a": 1}
     memory.put("a", first)

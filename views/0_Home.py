@@ -42,14 +42,14 @@ with right:
 
 st.subheader("The KV formula, live")
 col_seq, col_batch = st.columns(2)
-seq_len = col_seq.slider("Context length (tokens)", 128, max(256, card.context_length or 8192), 4096, step=128,
-                         key="seq_len")
+longest = max(256, card.context_length or 8192)
+seq_len = col_seq.slider("Context length (tokens)", 128, longest, min(4096, longest), step=128, key="seq_len")
 batch = col_batch.slider("Batch (concurrent sequences)", 1, 64, 1, key="batch")
 st.code(card.formula_text(seq_len, batch), language="text")
 kv = card.kv_bytes(seq_len, batch)
 st.metric("KV cache", f"{kv / 2**20:,.1f} MiB", delta=f"{kv / max(1, card.weight_bytes):.1%} of the weights",
           delta_color="off", delta_arrow="off")
-lengths = [2**k for k in range(7, 16) if 2**k <= max(256, card.context_length or 8192)]
+lengths = [2**k for k in range(7, 16) if 2**k <= longest]
 frame = pd.DataFrame({"context": lengths, "KV cache (MiB)": [card.kv_bytes(n, batch) / 2**20 for n in lengths]})
 figure = px.line(frame, x="context", y="KV cache (MiB)", markers=True,
                  title=f"KV cache grows linearly with context (batch {batch})")

@@ -3,11 +3,11 @@
 import streamlit as st
 
 from kvviz.planning.memory import model_card
-from kvviz.runs import MATRIX_SIZE
+from kvviz.runs import MATRIX_SIZE, AttentionRequest
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, prompt_input, token_texts
-from kvviz_app.queue import attention_stats
+from kvviz_app.results import result_for
 from kvviz_app.url import flag_setting, linked, number_setting, read_number, share_settings
 
 DEFAULT_PROMPT = (
@@ -41,7 +41,7 @@ text = prompt_input("attention", DEFAULT_PROMPT, height=120)
 ids = encode(loaded, text, chat)
 if ids is None:
     st.stop()
-stats = attention_stats(loaded, ids, layer, int(sinks))
+stats = result_for(loaded, AttentionRequest(tuple(ids), layer, int(sinks)), "Running the prompt…")
 
 per_layer = stats.sink_mass_per_layer()
 left, middle, right = st.columns(3)
@@ -63,7 +63,8 @@ hide_sinks = st.checkbox(f"Leave the first {sinks} tokens out of the colour scal
 if scope == "this layer":
     scores = plots.received_attention(stats.key_attention[layer], int(sinks) if hide_sinks else 0)
 else:
-    every = attention_stats(loaded, ids, layer, int(sinks), every_layer=True)
+    every = result_for(loaded, AttentionRequest(tuple(ids), layer, int(sinks), every_layer=True),
+                       "Summing attention over every layer…")
     scores = sum(plots.received_attention(every.key_attention[k], int(sinks) if hide_sinks else 0)
                  for k in every.key_attention) / len(every.key_attention)
 tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)

@@ -8,11 +8,21 @@ import streamlit as st
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.planning.memory import model_card
+from kvviz.runs import CompareRequest
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, item_from_link, method_output, native_report, prompt_input, token_texts
-from kvviz_app.queue import run_comparison
-from kvviz_app.url import choice_setting, flag_setting, number_setting, plural, share_settings
+from kvviz_app.results import run_button, run_pressed
+from kvviz_app.url import (
+    choice_setting,
+    flag_setting,
+    linked,
+    number_setting,
+    plural,
+    range_slider,
+    read_choice,
+    share_settings,
+)
 from kvviz_app.widgets import method_grid, methods_of
 
 MAX_CONFIGS = 6
@@ -21,7 +31,7 @@ DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvvi
 page_header("Compare", "Compare cache configurations",
             "The prompt runs through the model once; each configuration then generates from its own copy of the "
             "cache. `full` keeps everything and is the reference every other output is compared with.",
-            link_settings=("m", "n", "chat", "prompt", "kept", "layer", "item", "seed"))
+            link_settings=("m", "n", "chat", "prompt", "show", "kept", "layer", "item", "seed"))
 
 loaded = require_model()
 
@@ -67,17 +77,10 @@ share_settings(m=grid.shared, n=int(max_new), chat=chat)
 ids = item[0] if item is not None else encode(loaded, text, chat, int(max_new))
 if grid.blocked():
     st.warning(grid.blocked())
-if st.button("Run comparison", type="primary", disabled=ids is None or not grid.ready):
-    st.session_state["compare_request"] = (tuple(ids), tuple(valid), int(max_new))
-
-request = st.session_state.get("compare_request")
-if request is None:
-    st.info("Set up the configurations and press **Run comparison**.")
-    st.stop()
-if request != (tuple(ids or ()), tuple(valid), int(max_new)):
-    st.caption("Showing the last run; the settings above have changed since. Press **Run comparison** again.")
-
-comparison = run_comparison(loaded, list(request[0]), list(request[1]), request[2], "compare_request")
+asked = None if ids is None else CompareRequest(tuple(ids), tuple(valid), int(max_new))
+run_button("Run comparison", "compare_request", asked, disabled=asked is None or not grid.ready)
+_, comparison = run_pressed(loaded, "compare_request", "Set up the configurations and press **Run comparison**.",
+                            "Starting…", current=asked)
 results = comparison.results
 st.success(f"{plural(len(results), 'configuration')} on {comparison.prompt_tokens} prompt tokens "
            f"(prefill {comparison.prefill_seconds:.2f} s on {comparison.device}).")
@@ -117,24 +120,40 @@ if native:
     for result in native:
         native_report(result)
 
-measured = [r for r in results if r.error is None]
-memory = pd.DataFrame([{
-    "method": r.method, "codes": r.kv_breakdown.codes, "metadata": r.kv_breakdown.metadata,
-    "full_precision": r.kv_breakdown.full_precision, "formula": r.kv_bytes_full,
-} for r in measured])
-if not memory.empty:
+DIAGNOSTICS = ("Memory", "Divergence", "Quantization error", "Kept tokens")
+NO_DIAGNOSTIC = "none"
+
+
+def memory_view(measured: list) -> None:
+    """Where each configuration's bytes go, what each axis saved, and how the cache grew while decoding."""
+    memory = pd.DataFrame([{
+        "method": r.method, "codes": r.kv_breakdown.codes, "metadata": r.kv_breakdown.metadata,
+        "full_precision": r.kv_breakdown.full_precision, "formula": r.kv_bytes_full,
+    } for r in measured])
+    if memory.empty:
+        st.caption("No configuration finished, so there is no memory to show.")
+        return
     st.plotly_chart(plots.memory_figure(memory, model_card(loaded).weight_bytes), width="stretch")
     st.plotly_chart(plots.axis_factors_figure({r.method: r.axis_factors.to_json() for r in measured
                                                if r.axis_factors is not None}), width="stretch")
-    st.plotly_chart(plots.kv_growth_figure({r.method: r.kv_bytes_per_step for r in measured}),
-                    width="stretch")
-    kl = {r.method: r.kl_per_step for r in measured if r.kl_per_step and r.method != "full"}
-    if kl:
-        st.plotly_chart(plots.kl_figure(kl), width="stretch")
+    st.plotly_chart(plots.kv_growth_figure({r.method: r.kv_bytes_per_step for r in measured}), width="stretch")
 
-if comparison.quantization is not None:
-    st.subheader("Quantization error")
+
+def divergence_view(measured: list) -> None:
+    """Each method's KL from full at every generated token, teacher-forced on full's tokens."""
+    kl = {r.method: r.kl_per_step for r in measured if r.kl_per_step and r.method != "full"}
+    if not kl:
+        st.caption("No configuration besides full produced per-step KL in this run.")
+        return
+    st.plotly_chart(plots.kl_figure(kl), width="stretch")
+
+
+def quantization_view() -> None:
+    """How far the quantized keys and values are from the originals, and why keys are quantized per channel."""
     report = comparison.quantization
+    if report is None:
+        st.caption("No configuration in this run quantizes the cache.")
+        return
     st.plotly_chart(plots.reconstruction_figure({m: (e.key, e.value) for m, e in report.errors.items()}),
                     width="stretch")
     st.caption("Each method stores the prompt's keys and values; the lines show how far what attention reads is "
@@ -146,11 +165,13 @@ if comparison.quantization is not None:
                f"{worst} the largest channel is {ratios[worst]:.0f}x the median one. Quantized per token, such a "
                "channel sets the step for every channel of the token; quantized per channel, it gets its own scale.")
 
-st.subheader("Kept and evicted tokens")
-with_ledger = [r for r in measured if r.ledger is not None and bool((r.ledger.evicted_at >= 0).any())]
-if not with_ledger:
-    st.caption("Nothing was evicted in this run: every configuration kept the whole prompt.")
-else:
+
+def kept_view(measured: list) -> None:
+    """Which prompt tokens one method still caches in one layer after a chosen decode step."""
+    with_ledger = [r for r in measured if r.ledger is not None and bool((r.ledger.evicted_at >= 0).any())]
+    if not with_ledger:
+        st.caption("Nothing was evicted in this run: every configuration kept the whole prompt.")
+        return
     card = model_card(loaded)
     pick, layer_col, step_col = st.columns(3)
     names = [r.method for r in with_ledger]
@@ -160,7 +181,8 @@ else:
     with layer_col:
         layer = number_setting("Layer", "layer", 0, 0, card.layers - 1, key="kept_layer", slider=True)
     last_step = max(0, len(result.token_ids) - 1)
-    step = step_col.slider("After decode step (0 = right after prefill)", 0, last_step, last_step, key="kept_step")
+    with step_col:
+        step = range_slider("After decode step (0 = right after prefill)", 0, last_step, last_step, key="kept_step")
     share_settings(kept=chosen, layer=layer)
     mask = result.ledger.kept_mask(step, comparison.prompt_tokens)[layer]
     prompt_tokens = token_texts(loaded.name, tuple(comparison.prompt_ids), loaded.tokenizer)
@@ -169,6 +191,28 @@ else:
                "(green: every KV head kept it, amber: some, red: none).")
     st.html(plots.kept_map_html(prompt_tokens, fraction))
     st.plotly_chart(plots.kept_heatmap(mask, layer, chosen), width="stretch")
+
+
+# Diagnostics are drawn when a reader asks for one: drawing seven charts and a 2K-token map took the browser 2-3 s on
+# every visit (loading Plotly alone about 0.7 s), for readers who mostly look at the outputs and the table. Each is one
+# click away; a link names the one to open (``show``), and a link naming a kept-token setting opens that one.
+measured = [r for r in results if r.error is None]
+st.subheader("Diagnostics")
+read = read_choice("show", "Kept tokens" if "kept" in st.query_params else NO_DIAGNOSTIC, (NO_DIAGNOSTIC, *DIAGNOSTICS))
+shown_view = linked("compare_show", read, lambda value: st.segmented_control(
+    "Draw", DIAGNOSTICS, default=None if value == NO_DIAGNOSTIC else value, key="compare_show"))
+share_settings(show=shown_view or NO_DIAGNOSTIC)
+if shown_view is None:
+    st.caption("Pick one to draw it: where each configuration's bytes go, its KL from full at every token, how far "
+               "quantized keys and values are from the originals, or which prompt tokens each layer kept.")
+elif shown_view == "Memory":
+    memory_view(measured)
+elif shown_view == "Divergence":
+    divergence_view(measured)
+elif shown_view == "Quantization error":
+    quantization_view()
+else:
+    kept_view(measured)
 
 st.subheader("Download")
 left, right = st.columns(2)

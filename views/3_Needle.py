@@ -9,7 +9,7 @@ from kvviz.runs import NeedleRequest
 from kvviz.studies.needle import MODES
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
-from kvviz_app.queue import run_pressed
+from kvviz_app.results import run_button, run_pressed
 from kvviz_app.url import choice_setting, choices_setting, flag_setting, number_setting, plural, share_settings
 from kvviz_app.widgets import method_grid
 
@@ -50,12 +50,11 @@ if not lengths or not depths:
     st.warning("Choose at least one length and one depth.")
 if grid.blocked():
     st.warning(grid.blocked())
-if st.button("Run the grid", type="primary", disabled=not ready):
-    st.session_state["needle_request"] = NeedleRequest(tuple(valid), tuple(sorted(lengths)), tuple(sorted(depths)),
-                                                       int(trials), mode, chat, int(max_new))
-
+asked = NeedleRequest(tuple(valid), tuple(sorted(lengths)), tuple(sorted(depths)), int(trials), mode, chat,
+                      int(max_new))
+run_button("Run the grid", "needle_request", asked, disabled=not ready)
 _, report = run_pressed(loaded, "needle_request", "Choose methods and a grid, then press **Run the grid**.",
-                        "Building haystacks…")
+                        "Building haystacks…", current=asked)
 frame = report.to_frame()
 found = frame.groupby("method", sort=False)["found"].mean()
 st.success(f"{plural(len(frame), 'run')} in {report.seconds:.1f} s. Found: "

@@ -6,10 +6,11 @@ import streamlit as st
 from kvviz.methods import SpecError
 from kvviz.planning.memory import model_card
 from kvviz.planning.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
+from kvviz.runs import CompareRequest
 from kvviz.studies.needle import build_needle_prompt
 from kvviz_app import plots
 from kvviz_app.chrome import model_link_notice, model_picker, page_header
-from kvviz_app.queue import run_comparison
+from kvviz_app.results import result_for
 from kvviz_app.url import choice_setting, number_setting, share_settings
 from kvviz_app.widgets import methods_of
 
@@ -134,7 +135,7 @@ with st.expander("Measured on the loaded model: each axis's formula next to the 
             configs = ["full", "merge_heads:kv_heads=1", "lowrank:rank=64", "kivi:bits=4,residual=0",
                        "lowrank:rank=64+kivi:bits=4,residual=0"]
             prompt = build_needle_prompt(loaded.tokenizer, 256, 0.5)
-            comparison = run_comparison(loaded, prompt.ids, configs, 1)
+            comparison = result_for(loaded, CompareRequest(tuple(prompt.ids), tuple(configs), 1))
             done = [r for r in comparison.results if r.axis_factors is not None]
             per_token = {r.method: loaded_card.stored_kv_bytes(1) * r.axis_factors.architecture
                          * r.axis_factors.quantization for r in done}

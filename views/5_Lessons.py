@@ -5,36 +5,44 @@ in kvviz/lessons.py, calibrated on the default model. Adding a step means adding
 """
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pandas as pd
 import streamlit as st
 
 from kvviz.engine.results import Comparison, MethodResult
 from kvviz.lessons import NEEDLE_CODE, RUNS, SINKS, LessonRun, attention_request, axes_run, is_filler_token, span_of
-from kvviz.planning.memory import model_card
+from kvviz.planning.memory import ModelCard, model_card
+from kvviz.runtime.models import LoadedModel
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import encode, method_output, token_texts
-from kvviz_app.queue import run_request
+from kvviz_app.results import result_for, stays_pressed
 from kvviz_app.url import linked, read_number, share_settings
 
-STEPS: list[tuple[str, Callable[[], None]]] = []
+
+@dataclass(frozen=True)
+class Step:
+    """What a step draws with: the sidebar's model, its card, and the step's number (its button's key)."""
+
+    loaded: LoadedModel
+    card: ModelCard
+    number: int
+
+    def live(self, label: str) -> bool:
+        """A button that starts this step's run; once pressed it stays on while the step is shown."""
+        return stays_pressed(label, f"lesson_button_{self.number}")
 
 
-def step(title: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+STEPS: list[tuple[str, Callable[[Step], None]]] = []
+
+
+def step(title: str) -> Callable[[Callable[[Step], None]], Callable[[Step], None]]:
     """Register a step (in order of definition) under ``title``."""
-    def register(render: Callable[[], None]) -> Callable[[], None]:
+    def register(render: Callable[[Step], None]) -> Callable[[Step], None]:
         STEPS.append((title, render))
         return render
     return register
-
-
-def live(label: str) -> bool:
-    """A button that starts this step's run; once pressed it stays on while the step is shown."""
-    key = f"lesson_live_{number}"
-    if st.button(label, type="primary", key=f"lesson_button_{number}"):
-        st.session_state[key] = True
-    return bool(st.session_state.get(key))
 
 
 def notice(text: str) -> None:
@@ -47,9 +55,9 @@ def open_elsewhere(run: LessonRun, label: str | None = None) -> None:
     st.markdown(f"[{label or f'Open this run in {run.page} →'}]({run.link()})")
 
 
-def comparison_of(run: LessonRun) -> Comparison | None:
+def comparison_of(loaded: LoadedModel, run: LessonRun) -> Comparison | None:
     ids = encode(loaded, run.prompt, run.chat, run.max_new_tokens)
-    return None if ids is None else run_request(loaded, run.request(ids), "Starting…")
+    return None if ids is None else result_for(loaded, run.request(ids))
 
 
 def reference_check(run: LessonRun, full: MethodResult) -> bool:
@@ -64,17 +72,17 @@ def reference_check(run: LessonRun, full: MethodResult) -> bool:
     return False
 
 
-def run_and_show(run: LessonRun) -> Comparison | None:
+def run_and_show(loaded: LoadedModel, run: LessonRun) -> Comparison | None:
     """The step's run with its outputs side by side and whether full gave the calibrated answer; None when the
     prompt cannot run (the reason shown)."""
-    comparison = comparison_of(run)
+    comparison = comparison_of(loaded, run)
     if comparison is not None:
-        outputs(comparison)
+        outputs(loaded, comparison)
         reference_check(run, comparison.results[0])
     return comparison
 
 
-def outputs(comparison: Comparison) -> None:
+def outputs(loaded: LoadedModel, comparison: Comparison) -> None:
     """Each method's output side by side with the divergence from full marked, then the numbers."""
     columns = st.columns(len(comparison.results))
     for column, result in zip(columns, comparison.results, strict=True):
@@ -91,7 +99,8 @@ def answered(result: MethodResult, expected: str | None) -> str:
 
 
 @step("1 · What the cache costs")
-def cost() -> None:
+def cost(step: Step) -> None:
+    loaded, card = step.loaded, step.card
     st.markdown(f"""
 To write token *N*, the model attends over every earlier token. Recomputing their keys and values at every step
 would cost more and more as the text grows, so the model stores them once: for each token, each of the
@@ -104,8 +113,8 @@ For this model one token costs **{card.kv_bytes_per_token:,} bytes**:
     st.markdown("Press the button to answer a question about a short story and watch the cache grow by the same "
                 "amount at every step: a straight line whose slope is the formula above.")
     run = RUNS["cost"]
-    if live("Generate and measure"):
-        comparison = comparison_of(run)
+    if step.live("Generate and measure"):
+        comparison = comparison_of(loaded, run)
         if comparison is None:
             return
         result = comparison.results[0]
@@ -123,7 +132,8 @@ For this model one token costs **{card.kv_bytes_per_token:,} bytes**:
 
 
 @step("2 · Three ways to shrink it")
-def levers() -> None:
+def levers(step: Step) -> None:
+    loaded, card = step.loaded, step.card
     mha = 2 * card.layers * card.q_heads * card.head_dim * card.bytes_per_element
     st.markdown(f"""
 Three independent levers shrink the cache, and their savings multiply:
@@ -142,8 +152,8 @@ The run below keeps the architecture fixed and compares one eviction and one qua
 cache on the same question.
 """)
     run = RUNS["levers"]
-    if live("Compare the levers"):
-        comparison = run_and_show(run)
+    if step.live("Compare the levers"):
+        comparison = run_and_show(loaded, run)
         if comparison is None:
             return
         _, *others = comparison.results
@@ -158,7 +168,8 @@ cache on the same question.
 
 
 @step("3 · Attention sinks")
-def sinks() -> None:
+def sinks(step: Step) -> None:
+    loaded = step.loaded
     st.markdown("""
 Softmax forces every query to hand out a full unit of attention, even when nothing earlier is relevant. Trained
 models learn to park that surplus on the very first tokens, which are visible to every query. Those tokens become
@@ -169,18 +180,18 @@ attention rests, and the distribution over the remaining tokens changes everywhe
 sink tokens next to the window (the StreamingLLM recipe) avoids that.
 """)
     run = RUNS["sinks"]
-    if live("Measure the sinks"):
+    if step.live("Measure the sinks"):
         ids = encode(loaded, run.prompt, run.chat)
         if ids is None:
             return
-        stats = run_request(loaded, attention_request(loaded, ids), "Running the prompt…")
+        stats = result_for(loaded, attention_request(loaded, ids), "Running the prompt…")
         per_layer = stats.sink_mass_per_layer()
         st.plotly_chart(plots.sink_mass_figure(per_layer, SINKS), width="stretch")
         share = sum(per_layer) / len(per_layer)
         st.metric(f"Attention on the first {SINKS} tokens (mean over layers)", f"{share:.0%}",
                   delta=f"they are {SINKS / len(ids):.0%} of the prompt", delta_color="off", delta_arrow="off")
         st.markdown("The same 40-token budget without sinks (`window`) and with 4 of them (`streaming_llm`):")
-        comparison = run_and_show(run)
+        comparison = run_and_show(loaded, run)
         if comparison is None:
             return
         _, window, streaming = comparison.results
@@ -194,7 +205,8 @@ sink tokens next to the window (the StreamingLLM recipe) avoids that.
 
 
 @step("4 · Heavy hitters")
-def heavy() -> None:
+def heavy(step: Step) -> None:
+    loaded = step.loaded
     st.markdown("""
 Attention is not spread evenly over the rest of the prompt either. A few tokens keep receiving far more attention
 than their neighbours: these are **heavy hitters**. Score-based eviction methods keep the tokens with the most
@@ -206,12 +218,12 @@ Below, every token of the story is shaded by the attention it receives per query
 first four tokens (the sinks) are left out of the colour scale so the heavy hitters show.
 """)
     run = RUNS["heavy"]
-    if live("Find the heavy hitters"):
+    if step.live("Find the heavy hitters"):
         ids = encode(loaded, run.prompt, run.chat)
         if ids is None:
             return
-        stats = run_request(loaded, attention_request(loaded, ids, every_layer=True),
-                            "Summing attention over every layer…")
+        stats = result_for(loaded, attention_request(loaded, ids, every_layer=True),
+                           "Summing attention over every layer…")
         scores = sum(plots.received_attention(stats.key_attention[k], SINKS) for k in stats.key_attention)
         tokens = token_texts(loaded.name, tuple(ids), loaded.tokenizer)
         st.html(plots.token_shading_html(tokens, scores))
@@ -230,7 +242,8 @@ first four tokens (the sinks) are left out of the colour scale so the heavy hitt
 
 
 @step("5 · The tail risk")
-def tail() -> None:
+def tail(step: Step) -> None:
+    loaded = step.loaded
     st.markdown("""
 Averages hide the failure that matters. Most of an answer survives aggressive eviction: the grammar, the style, the
 general topic. But a question often hinges on **one** token, and a method that guessed wrong about that token
@@ -242,8 +255,8 @@ agreement score. Quantization has its own version of this risk: fine on average,
 precision.
 """)
     run = RUNS["needle"]
-    if live("Hide the needle"):
-        comparison = run_and_show(run)
+    if step.live("Hide the needle"):
+        comparison = run_and_show(loaded, run)
         if comparison is None:
             return
         _, *others = comparison.results
@@ -274,8 +287,9 @@ precision.
 
 
 @step("6 · Three axes, one budget")
-def three_axes() -> None:
+def three_axes(step: Step) -> None:
     """Step 6: one share of the full cache spent on heads, on a latent, on tokens or on bits, measured live."""
+    loaded, card = step.loaded, step.card
     st.markdown("""
 The families of step 2 are three independent knobs: **fewer KV heads** (or a low-rank latent, MLA's idea), **fewer
 tokens** (eviction) and **fewer bits** (quantization). Their savings multiply: bytes = full × heads × tokens × bits.
@@ -290,9 +304,9 @@ shows what converting a model after the fact costs. The prompt hides a pass key 
     run = axes_run(loaded, share)
     axes, prompt = run.axes, run.prompt
     st.caption(" · ".join(f"{axis}: `{spec}`" for axis, spec in axes.items()))
-    if live("Spend the budget three ways"):
-        comparison = run_request(loaded, run.request(), "Starting…")
-        outputs(comparison)
+    if step.live("Spend the budget three ways"):
+        comparison = result_for(loaded, run.request())
+        outputs(loaded, comparison)
         label = {spec: axis for axis, spec in axes.items()}
         st.dataframe(pd.DataFrame([{
             "axis": label.get(r.method, "none"), "SPEC": r.method,
@@ -317,4 +331,4 @@ chosen = linked("step", read_number("step", 1, 1, len(titles)), lambda number: s
     "Step", titles, index=number - 1, horizontal=True, key="step"))
 number = titles.index(chosen) + 1
 share_settings(step=number)
-STEPS[number - 1][1]()
+STEPS[number - 1][1](Step(loaded, card, number))

@@ -12,7 +12,7 @@ from kvviz.studies.tail_items import MAX_HOPS, PROTECT, TASKS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
 from kvviz_app.inputs import token_texts
-from kvviz_app.queue import run_pressed
+from kvviz_app.results import run_button, run_pressed
 from kvviz_app.url import choice_setting, choices_setting, plural, share_settings
 from kvviz_app.widgets import method_grid
 
@@ -60,12 +60,11 @@ if not chosen:
 if grid.blocked():
     st.warning(grid.blocked())
 ready = chosen and grid.ready
-if st.button("Run the tasks", type="primary", disabled=not ready):
-    st.session_state["tail_request"] = TailRequest(tuple(valid), tuple(tasks), tuple(sorted(lengths)),
-                                                   tuple(sorted(depths)), tuple(sorted(hops)), mode, tuple(protect))
-
+asked = TailRequest(tuple(valid), tuple(tasks), tuple(sorted(lengths)), tuple(sorted(depths)), tuple(sorted(hops)),
+                    mode, tuple(protect))
+run_button("Run the tasks", "tail_request", asked, disabled=not ready)
 _, report = run_pressed(loaded, "tail_request", "Choose tasks and methods, then press **Run the tasks**.",
-                        "Building prompts…")
+                        "Building prompts…", current=asked)
 
 calibration = pd.DataFrame(report.calibration)
 beyond = calibration[calibration["kept"] == 0]["task"].tolist()

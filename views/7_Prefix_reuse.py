@@ -17,7 +17,7 @@ from kvviz.studies.prefix_reuse import (
 from kvviz.studies.prefix_sharing import DEFAULT_METHODS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
-from kvviz_app.queue import run_request
+from kvviz_app.results import pressed, result_for, run_button, stays_pressed
 from kvviz_app.url import (
     Read,
     choice_setting,
@@ -32,14 +32,6 @@ from kvviz_app.url import (
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
 DEFAULT_LENGTHS = [256, 512, 1024, 2048]
 EDITS = {"timestamp": "insert a timestamp line", "reorder": "swap two lines"}
-
-
-def section_run(label: str, key: str) -> bool:
-    """A later section's own button (its runs cost more than the turns above): once pressed it stays on, following
-    the page's run."""
-    if st.button(label, type="primary", key=key):
-        st.session_state[f"{key}_on"] = True
-    return bool(st.session_state.get(f"{key}_on"))
 
 
 @dataclass(frozen=True)
@@ -109,14 +101,9 @@ if spec_errors:
     st.warning("An eviction method in the sidebar is invalid (the error is under it): nothing runs until it is fixed.")
 chosen = PrefixRun(preamble, tuple(questions), int(block_tokens), edit, int(edit_line), int(max_new), tuple(specs),
                    tuple(sorted(lengths)))
-if st.button("Run prefix reuse", type="primary", disabled=not (preamble.strip() and questions) or bool(spec_errors)):
-    st.session_state["prefix_request"] = chosen
-run = st.session_state.get("prefix_request")
-if run is None:
-    st.info("Set up the preamble, questions and methods, then press **Run prefix reuse**.")
-    st.stop()
-if run != chosen:
-    st.caption("Showing the last run; the settings above have changed since. Press **Run prefix reuse** again.")
+run_button("Run prefix reuse", "prefix_request", chosen,
+           disabled=not (preamble.strip() and questions) or bool(spec_errors))
+run = pressed("prefix_request", "Set up the preamble, questions and methods, then press **Run prefix reuse**.", chosen)
 preamble, questions, block_tokens = run.preamble, list(run.questions), run.block_tokens
 edit, edit_line, max_new, specs, lengths = run.edit, run.edit_line, run.max_new, list(run.specs), list(run.lengths)
 
@@ -126,7 +113,7 @@ edited_ids = turn_ids(loaded.tokenizer, edit_preamble(preamble, edit, int(edit_l
 prompts = [preamble_ids + q for _, q in pieces] + [edited_ids[0] + edited_ids[1]]
 labels = [f"turn {i + 1}: {q[:32]}" for i, q in enumerate(questions)] + [f"edited preamble, turn {len(questions)}"]
 
-report = run_request(loaded, PrefixTurnsRequest(tuple(map(tuple, prompts)), tuple(labels), int(block_tokens)),
+report = result_for(loaded, PrefixTurnsRequest(tuple(map(tuple, prompts)), tuple(labels), int(block_tokens)),
                      "Prefilling each turn fresh and with reuse…", request_key="prefix_request")
 turns = report.turns
 shared, edited = turns[:-1], turns[-1]
@@ -176,12 +163,12 @@ st.caption("Keep anything that changes per request (dates, user names, retrieved
 st.subheader("Query-aware eviction vs reuse")
 if len(pieces) < 2 or not specs:
     st.info("Add a second question and at least one eviction method to compare what eviction keeps for each.")
-elif section_run(f"Compress the preamble for A and B ({plural(len(specs) * 2, 'run')})", "prefix_sharing_button"):
+elif stays_pressed(f"Compress the preamble for A and B ({plural(len(specs) * 2, 'run')})", "prefix_sharing_button"):
     st.caption("The preamble is compressed for question A and for question B. Query-aware: the method sees the "
                "question (SnapKV votes with the question in its observation window). Query-agnostic: the preamble "
                "is compressed alone and the question fed afterwards (kvpress's query-agnostic setting). A prefix "
                "cache can share the compressed preamble only if both questions keep the same tokens.")
-    sharing = run_request(loaded, PrefixSharingRequest(tuple(preamble_ids), tuple(pieces[0][1]), tuple(pieces[1][1]),
+    sharing = result_for(loaded, PrefixSharingRequest(tuple(preamble_ids), tuple(pieces[0][1]), tuple(pieces[1][1]),
                                                        tuple(specs), int(max_new)),
                           "Compressing the preamble for two questions…", request_key="prefix_request")
     st.plotly_chart(plots.jaccard_figure([(f"{r.method} ({r.mode.replace('_', '-')})", r.jaccard_per_layer)
@@ -195,8 +182,8 @@ elif section_run(f"Compress the preamble for A and B ({plural(len(specs) * 2, 'r
                "of steps whose top token matches full's, KL is KL(full ‖ method) per step in nats.")
 
 st.subheader("Context length as a cost")
-if lengths and section_run(f"Prefill {plural(len(lengths), 'length')}", "prefix_cost_button"):
-    costs = run_request(loaded, ContextCostRequest(tuple(prompts[0]), tuple(sorted(lengths))),
+if lengths and stays_pressed(f"Prefill {plural(len(lengths), 'length')}", "prefix_cost_button"):
+    costs = result_for(loaded, ContextCostRequest(tuple(prompts[0]), tuple(sorted(lengths))),
                         "Prefilling each length…", request_key="prefix_request")
     st.plotly_chart(plots.context_cost_figure([c.tokens for c in costs], [c.prefill_seconds for c in costs],
                                               [c.kv_bytes for c in costs]), width="stretch")

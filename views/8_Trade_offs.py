@@ -16,7 +16,7 @@ from kvviz.studies.workloads import DEFAULT_ITEMS, SWEEP_TASKS, PromptWorkload, 
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import prompt_set_input
-from kvviz_app.queue import run_pressed
+from kvviz_app.results import run_pressed
 from kvviz_app.tradeoffs import compare_link, families_from_link, item_link, sweep_cluster
 from kvviz_app.url import Read, choice_setting, choices_setting, flag_setting, linked, number_setting, share_settings
 

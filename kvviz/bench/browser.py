@@ -38,6 +38,11 @@ class ServedApp:
     url: str
     pid: int
 
+    def cpu_seconds(self) -> float:
+        """CPU seconds the server process has used so far, every thread counted (user and system)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 
 @contextlib.contextmanager
 def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[ServedApp]:
@@ -87,3 +92,28 @@ def settle(page, timeout: float = 600, pause: float = 0.3) -> None:
     page.wait_for_timeout(pause * 1000)
     script_done(page, timeout - pause)
     page.wait_for_timeout(pause * 1000)
+
+
+# Records when the page's DOM last changed (any element, attribute or text): what "drawn" means for a page whose
+# charts draw after the script ends (Plotly, the data grid), which no single locator can wait for.
+_WATCH_CHANGES = """() => { window.__kvvizChanged = performance.now();
+  new MutationObserver(() => { window.__kvvizChanged = performance.now(); })
+    .observe(document.body, {subtree: true, childList: true, attributes: true, characterData: true}); }"""
+
+
+def watch_changes(page) -> float:
+    """Start recording the page's last DOM change; returns the page's clock now (milliseconds)."""
+    page.evaluate(_WATCH_CHANGES)
+    return page.evaluate("() => performance.now()")
+
+
+def last_change(page, since: float, quiet: float = 1.5, timeout: float = 600) -> float:
+    """Seconds from ``since`` (the page's clock, :func:`watch_changes`) until the page last changed, once its script
+    run has finished and nothing has changed for ``quiet`` seconds."""
+    script_done(page, timeout, poll=0.05)
+    deadline = time.monotonic() + timeout
+    while page.evaluate("() => performance.now() - window.__kvvizChanged") < quiet * 1000:
+        if time.monotonic() > deadline:
+            break
+        page.wait_for_timeout(100)
+    return (page.evaluate("() => window.__kvvizChanged") - since) / 1000

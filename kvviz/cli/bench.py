@@ -25,8 +25,8 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="with --random-model: a tokenizer folder (python -m kvviz prepare --tokenizer-out DIR), "
                              "so the lessons and needle sections run on random weights too")
     parser.add_argument("--class-students", type=int, metavar="N",
-                        help="students served the issue's comparison in the classroom section (default 30; about "
-                             "20 minutes both ways on a 2-core CPU)")
+                        help="the classroom section's class of 2K uploads: students each comparing six configurations "
+                             "on their own upload, served both ways (default 4)")
     parser.add_argument("--threads", type=int, help="torch CPU threads (1 is steadier on a busy machine)")
     parser.add_argument("--json", metavar="OUT", help="write the report as JSON to OUT ('-' for stdout)")
     return parser

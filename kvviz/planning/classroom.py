@@ -1,8 +1,10 @@
 """How long a class waits on one server, projected from measured per-run times.
 
-One model serves everybody: the app's queue runs one request at a time, taking turns between students, and students
-who ask for the same thing (a lesson step) share one run. When a whole class presses Run at once, the k-th run in the
-queue therefore starts after the k-1 runs before it. Given the seconds each run takes on some machine (measured by
+One model serves everybody, taking turns between students, and students who ask for the same thing (a lesson step)
+share one run. Served one run at a time (as the app's queue serves runs its admission policy does not let decode
+together, :mod:`kvviz.runtime.admission`), when a whole class presses Run at once the k-th run in the queue starts
+after the k-1 runs before it: the projection here. Runs admitted together are measured, not projected (the bench's
+classroom section serves both ways). Given the seconds each run takes on some machine (measured by
 ``python -m kvviz bench --sections classroom`` there, e.g. on a GPU through ``scripts/gpu_check.sh``), this module
 says what the class would wait on that machine; ``tests/test_load.py`` measures the same waits on real Streamlit
 sessions, on the CPU.

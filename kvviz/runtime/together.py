@@ -34,7 +34,7 @@ from kvviz.runtime.turns import FairLock
 
 RUNS_TOGETHER = 8  # runs a server admits into one running batch at once; each holds its caches while it decodes
 # (eight 2K-token comparisons of six configurations on SmolLM2 decoding together held 17.7 GB resident, measured on
-# the CPU); the app's queue and the bench's classroom use it
+# the CPU); the admission policy (kvviz.runtime.admission) starts at most this many
 
 
 @dataclass

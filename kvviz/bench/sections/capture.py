@@ -38,7 +38,8 @@ def capture(run: BenchRun) -> Section:
             ons.append(seconds)
         off, on = min(offs), min(ons)
         stats_bytes.append(prefill.stats.nbytes())
-        section.add(f"capture_vs_plain@{n}", on / off, "x", "<= 1.3", note=f"{on:.2f}s vs {off:.2f}s")
+        section.add(f"capture_vs_plain@{n}", on / off, "x", "<= 1.3",
+                    note=f"{on:.2f}s vs {off:.2f}s; both kvviz's prefill, padded alike")
         everywhere, _ = timed(loaded.device, lambda ids=ids: PromptSession(loaded, ids).prefill(every_layer))
         section.add(f"capture_every_layer_vs_plain@{n}", everywhere / off, "x",
                     note=f"{everywhere:.2f}s: received attention summed over every query in all layers")

@@ -1,5 +1,9 @@
-"""A class on one server: every lesson step and a student's runs timed through the engine on this device, and the
-wait a class of 30 would see here, projected from those per-run times (:mod:`kvviz.planning.classroom`).
+"""A class on one server: every lesson step and a student's runs timed through the engine on this device, the wait a
+class of 30 would see here one run at a time, projected from those per-run times (:mod:`kvviz.planning.classroom`),
+and two classes served for real, one run at a time and as the server admits runs together
+(:mod:`kvviz.runtime.admission`): 30 short comparisons, and a few students each comparing six configurations on
+their own 2K-token upload (``--class-students``). Both ways run through the app's path (the running batch, its rows
+padded as the app pads them), so neither side is favoured.
 
 No browser: the requests are the ones the pages run (``kvviz.lessons.step_requests``, Compare's
 ``CompareRequest``), so the section runs wherever the model does, a GPU included (``scripts/gpu_check.sh`` runs it
@@ -23,6 +27,7 @@ from kvviz.engine.session import encode_prompt
 from kvviz.lessons import step_requests
 from kvviz.planning.classroom import ClassRun, ClassWait, percentile, project_class
 from kvviz.runs import CompareRequest, RunRequest
+from kvviz.runtime.admission import ADMISSION, ONE_AT_A_TIME, Admission, Arrivals
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.together import RUNS_TOGETHER
 
@@ -45,17 +50,18 @@ def _student_request(loaded: LoadedModel, prompt: str) -> CompareRequest:
     return CompareRequest(tuple(ids), STUDENT_SPECS, STUDENT_TOKENS)
 
 
-def serve_class(loaded: LoadedModel, requests: list[RunRequest], together: int) -> list[float]:
-    """Every request submitted at once and served as the app's queue serves a class: ``together`` runs at a time
-    in submission order (1: one at a time), comparisons among them decoding in one batch. Returns each request's
-    seconds from the submission until its result."""
-    slots, ready = threading.Semaphore(together), threading.Event()
+def serve_class(loaded: LoadedModel, requests: list[RunRequest], admission: Admission) -> tuple[list[float], int]:
+    """Every request submitted at once and served as the app's queue serves a class: in submission order, each run
+    started once ``admission`` admits it beside the runs in progress, comparisons among them decoding in one batch.
+    Returns each request's seconds from the submission until its result, and the most runs that were in progress at
+    once."""
+    arrivals, ready = Arrivals(admission), threading.Event()
+    tickets = [arrivals.arrive(request.run_size(loaded)) for request in requests]
     until_result = [0.0] * len(requests)
 
     def serve(index: int) -> None:
         ready.wait()
-        time.sleep(0.001 * index)  # submission order: the semaphore serves its waiters in the order they came
-        with slots:
+        with arrivals.admitted(tickets[index]):
             requests[index].compute(loaded)
         until_result[index] = time.perf_counter() - started
 
@@ -66,7 +72,7 @@ def serve_class(loaded: LoadedModel, requests: list[RunRequest], together: int) 
     ready.set()
     for thread in threads:
         thread.join()
-    return until_result
+    return until_result, arrivals.most_at_once
 
 
 class ServedCounters(NamedTuple):
@@ -83,51 +89,78 @@ class ServedCounters(NamedTuple):
                                 for total, later, earlier in zip(self, now, before, strict=True)))
 
 
-def _add_served(section: Section, name: str, loaded: LoadedModel, requests: list[RunRequest], what: str,
-                log, repeats: int = 1) -> None:
-    """The class served one run at a time and with runs decoding together, in turns (the same requests, results
-    already stored nowhere: every request computes), ``repeats`` times each; how much sooner everybody is done, and
-    where the time went: decode steps are what runs share (and prefills of prompts nobody records), so their share
-    of the time one at a time and how much shorter they got together say what the ratio can be on this device."""
+WAYS = {"one_at_a_time": ONE_AT_A_TIME, "together": ADMISSION}  # how a class is served, and what it is compared with
+
+
+def add_served_class(section: Section, name: str, loaded: LoadedModel, requests: list[RunRequest], what: str,
+                log, repeats: int = 1, all_done_target: str = "") -> None:
+    """The class served one run at a time and as the server's admission policy admits runs together, in turns (the
+    same requests, results stored nowhere: every request computes), ``repeats`` times each, the order of the two
+    ways swapped each time; each student's wait (the median over the repeats) and when everybody is done, both
+    ways, and where the time went: decode steps are what runs share (and prefills of prompts nobody records), so
+    their share of the time one at a time and how much shorter they got together say what the ratio can be on this
+    device."""
     decoder, prefills = loaded.decoder, loaded.prefills
 
     def counters() -> ServedCounters:
         return ServedCounters(decoder.shared_forwards, prefills.shared_forwards, decoder.seconds)
 
-    done: dict[int, list[list[float]]] = {1: [], RUNS_TOGETHER: []}
-    totals = {together: ServedCounters() for together in done}  # gained while served, over the repeats
-    for _ in range(max(1, repeats)):  # interleaved, so a slow spell of the machine hits both ways
-        for together in done:
+    sizes = [request.run_size(loaded) for request in requests]
+    alone = not any(ADMISSION.admits([first], second) for first in sizes for second in sizes)
+    served_ways = ["one_at_a_time"] if alone else list(WAYS)  # alone: the server's way is one at a time, the
+    # same schedule, so serving it twice would only measure the machine's noise
+    done: dict[str, list[list[float]]] = {way: [] for way in WAYS}
+    most_at_once = dict.fromkeys(WAYS, 0)
+    totals = {way: ServedCounters() for way in WAYS}  # gained while served, over the repeats
+    for repeat in range(max(1, repeats)):  # interleaved, so a slow spell of the machine hits both ways
+        for way in (served_ways if repeat % 2 == 0 else list(reversed(served_ways))):
             before = counters()
-            log(f"  {what}: {len(requests)} runs, {together} at a time")
-            done[together].append(serve_class(loaded, requests, together))
-            totals[together] = totals[together].plus(counters(), before)
-    all_done = {together: statistics.median(max(times) for times in served) for together, served in done.items()}
-    for together, served in done.items():
-        label = "one_at_a_time" if together == 1 else "together"
-        waits = [statistics.median(run) for run in zip(*served, strict=True)]  # each student's median wait
-        section.add(f"{name}_{label}_p50", percentile(waits, 0.5), "s",
-                    note=f"{what}, {together} run(s) admitted at a time: seconds until a student's result")
-        section.add(f"{name}_{label}_p95", percentile(waits, 0.95), "s")
+            log(f"  {what}: {len(requests)} runs, {WAYS[way].describe(loaded.device)}")
+            until_result, at_once = serve_class(loaded, requests, WAYS[way])
+            done[way].append(until_result)
+            most_at_once[way] = max(most_at_once[way], at_once)
+            totals[way] = totals[way].plus(counters(), before)
+    if alone:
+        done["together"], totals["together"] = done["one_at_a_time"], totals["one_at_a_time"]
+        most_at_once["together"] = most_at_once["one_at_a_time"]
+        log(f"  {what}: the server starts each of these runs alone ({ADMISSION.describe(loaded.device)}), as one "
+            "at a time: served that way only")
+    waits = {way: [statistics.median(run) for run in zip(*served, strict=True)] for way, served in done.items()}
+    all_done = {way: statistics.median(max(times) for times in served) for way, served in done.items()}
+    for way, served in done.items():
+        same = (f"; the server starts each of these runs alone (at {sizes[0].positions:,} positions), so this is "
+                "the one-at-a-time schedule and its runs") if alone and way == "together" else ""
+        section.add(f"{name}_{way}_wait_p50", percentile(waits[way], 0.5), "s",
+                    note=f"{what}, {WAYS[way].describe(loaded.device)} (at most {most_at_once[way]} at once here): "
+                         f"seconds until a student's result, each student's median over the repeats{same}")
+        section.add(f"{name}_{way}_wait_p95", percentile(waits[way], 0.95), "s")
         spread = " / ".join(f"{max(times):.1f}" for times in served)
-        section.add(f"{name}_{label}_all_done", all_done[together], "s",
-                    note=f"median of {len(served)} ({spread} s); over them, {totals[together].merged_steps} decode "
-                         f"and {totals[together].merged_prefills} prefill forwards fed more than one run")
-    ratio = all_done[RUNS_TOGETHER] / all_done[1]
-    section.add(f"{name}_together_vs_one_at_a_time", ratio, "x", "<= 0.6" if loaded.device == "cpu" else "",
-                note=f"all done, {RUNS_TOGETHER} runs decoding together against one at a time")
-    served_seconds = sum(max(times) for times in done[1])
-    decoding_alone, decoding_together = totals[1].decode_seconds, totals[RUNS_TOGETHER].decode_seconds
+        section.add(f"{name}_{way}_all_done", all_done[way], "s",
+                    note=f"median of {len(served)} ({spread} s); over them, {totals[way].merged_steps} decode "
+                         f"and {totals[way].merged_prefills} prefill forwards fed more than one run")
+    ratio = all_done["together"] / all_done["one_at_a_time"]
+    why = (f" (1 by construction: the policy starts each of these runs alone, {sizes[0].positions:,} positions > "
+           f"{ADMISSION.bound(loaded.device) or 0:,})") if alone else ""
+    section.add(f"{name}_together_vs_one_at_a_time", ratio, "x", all_done_target,
+                note=f"all done, {what}: as the server admits runs together against one at a time{why}")
+    for share, label in ((0.5, "p50"), (0.95, "p95")):
+        section.add(f"{name}_wait_{label}_together_vs_one_at_a_time",
+                    percentile(waits["together"], share) / percentile(waits["one_at_a_time"], share), "x", "<= 1.0",
+                    note=f"the {label} student's wait, as the server admits runs together against one at a time{why}")
+    served_seconds = sum(max(times) for times in done["one_at_a_time"])
+    decoding_alone, decoding_together = totals["one_at_a_time"].decode_seconds, totals["together"].decode_seconds
     decode_share = decoding_alone / served_seconds
     decode_ratio = decoding_together / max(1e-9, decoding_alone)
     section.add(f"{name}_decode_share", decode_share, "",
                 note="of the time one at a time, the share in decode steps (the rest: prefills, forks, diagnosis and "
                      "scoring, paid per run, except prefills of prompts nobody records, which share forwards)")
     section.add(f"{name}_decode_together_vs_apart", decode_ratio, "x",
-                note=f"decode steps' seconds with runs decoding together over one at a time; with the rest as it "
+                note=f"decode steps' seconds with runs admitted together over one at a time; with the rest as it "
                      f"was, all done would be {1 - decode_share * (1 - decode_ratio):.2f}x")
-    log(f"  {what}: all done in {all_done[RUNS_TOGETHER]:.1f} s together, {all_done[1]:.1f} s one at a time "
-        f"({ratio:.2f}x); decode steps {decode_share:.0%} of the time alone, {decode_ratio:.2f}x together")
+    log(f"  {what}: all done in {all_done['together']:.1f} s together, {all_done['one_at_a_time']:.1f} s one at a "
+        f"time ({ratio:.2f}x); median wait {percentile(waits['together'], 0.5):.1f} s against "
+        f"{percentile(waits['one_at_a_time'], 0.5):.1f} s; decode steps {decode_share:.0%} of the time alone, "
+        f"{decode_ratio:.2f}x together")
 
 
 def linear_sharing(loaded: LoadedModel, rows: int, runs: int, repeats: int) -> float:
@@ -151,16 +184,19 @@ def linear_sharing(loaded: LoadedModel, rows: int, runs: int, repeats: int) -> f
 
 
 def _add_projection(section: Section, name: str, wait: ClassWait, what: str) -> None:
-    section.add(f"{name}_wait_p50", wait.wait_p50, "s", note=f"{what}: {wait.runs} runs for {wait.students} students")
-    section.add(f"{name}_wait_p95", wait.wait_p95, "s")
-    section.add(f"{name}_all_done", wait.done, "s", note="until the last student has a result")
+    section.add(f"{name}_projected_wait_p50", wait.wait_p50, "s",
+                note=f"{what}, one at a time, projected from per-run times: {wait.runs} runs for {wait.students} "
+                     "students")
+    section.add(f"{name}_projected_wait_p95", wait.wait_p95, "s")
+    section.add(f"{name}_projected_all_done", wait.done, "s", note="until the last student has a result")
 
 
 @bench_section("classroom")
 def classroom(run: BenchRun) -> Section:
-    """Lesson steps cold, a student's short comparison and the issue's comparison per run; class-of-30 waits."""
+    """Lesson steps cold, a student's short comparison and a 2K upload's comparison per run; class-of-30 waits
+    projected; both classes served one at a time and as the server admits runs together."""
     loaded, sizes, log = run.loaded, run.sizes, run.log
-    section = Section("classroom", "a class of 30 on this device: per-run times and the projected waits")
+    section = Section("classroom", "a class on this device: per-run times, projected waits, and two classes served")
     _seconds(loaded, (_student_request(loaded, STUDENT_PROMPTS[0]),))  # warm-up: a server has run before
     lessons: list[float] = []
     if loaded.tokenizer is None:
@@ -177,28 +213,30 @@ def classroom(run: BenchRun) -> Section:
     runs = [ClassRun("student comparison", student) for _ in range(STUDENTS - LESSON_STUDENTS)]
     if lessons:
         runs.insert(0, ClassRun("lesson step 1", lessons[0], LESSON_STUDENTS))
-    _add_projection(section, "class_mix", project_class(runs),
+    _add_projection(section, "short", project_class(runs),
                     f"{STUDENTS - LESSON_STUDENTS} short comparisons"
                     + (f" + Lessons step 1 shared by {LESSON_STUDENTS}" if lessons else ""))
-    mix = [_student_request(loaded, f"Name {count} {topic}.") for count in ("two", "three", "four")
-           for topic in CLASS_TOPICS]
-    _add_served(section, "class_mix", loaded, mix, f"{STUDENTS} short comparisons", log, sizes.repeats)
+    short = [_student_request(loaded, f"Name {count} {topic}.") for count in ("two", "three", "four")
+             for topic in CLASS_TOPICS]
+    add_served_class(section, "short", loaded, short, f"{STUDENTS} short comparisons", log, sizes.repeats,
+                "<= 0.6" if loaded.device == "cpu" else "")
 
     prompt = fit(loaded, sizes.app_prompt)
     specs = app_specs(prompt)
-    log(f"  the issue's comparison: {len(specs)} configurations, {prompt} prompt tokens, {sizes.app_tokens} new")
+    log(f"  a 2K upload's comparison: {len(specs)} configurations, {prompt} prompt tokens, {sizes.app_tokens} new")
     seconds = _seconds(loaded, (CompareRequest(tuple(prompt_tokens(loaded, prompt)), specs, sizes.app_tokens),))
-    section.add("issue_comparison", seconds, "s", note=f"{len(specs)} configurations, {prompt} prompt tokens")
-    _add_projection(section, "class_issue", project_class([ClassRun("issue comparison", seconds)] * STUDENTS),
-                    f"every student runs the issue's comparison on their own {prompt}-token upload")
+    section.add("upload_comparison", seconds, "s", note=f"{len(specs)} configurations, {prompt} prompt tokens")
+    _add_projection(section, "upload", project_class([ClassRun("upload comparison", seconds)] * STUDENTS),
+                    f"{STUDENTS} students each comparing {len(specs)} configurations on their own {prompt}-token "
+                    "upload")
     text = prompt_tokens(loaded, prompt + sizes.class_students)
     uploads = [CompareRequest(tuple(text[i:i + prompt]), specs, sizes.app_tokens)  # no two share a prefix
                for i in range(sizes.class_students)]
-    _add_served(section, "class_issue", loaded, uploads, f"{len(uploads)} students' comparisons of {len(specs)} "
-                f"configurations on their own {prompt}-token uploads", log)
+    add_served_class(section, "upload", loaded, uploads, f"a class of {len(uploads)} students each comparing "
+                f"{len(specs)} configurations on their own {prompt}-token upload", log, sizes.repeats)
     rows = 2 * len(specs) - 1  # every configuration and, for those that part from full, a teacher-forced twin
     shared = linear_sharing(loaded, rows, RUNS_TOGETHER, max(3, sizes.repeats))
-    section.add("class_issue_linear_together_vs_apart", shared, "x",
+    section.add("upload_linear_together_vs_apart", shared, "x",
                 note=f"the linear layers for {RUNS_TOGETHER} runs' {rows} rows in one multiply over {RUNS_TOGETHER} "
                      f"multiplies apart ({1 / RUNS_TOGETHER:.3f}x if reading the weights were all they cost): the "
                      "part of a decode step a batch shares; the rest of a step is per row")

@@ -53,7 +53,7 @@ def kvpress_native(run: BenchRun) -> Section:
         section.add(f"{press}_native_vs_press", ratio, "x", "<= 1.2",
                     note=f"best of {repeats}: {min(times['native']):.2f}s vs {min(times['plain']):.2f}s (plain "
                          f"{max(times['plain']):.2f}s at worst); native = press prefill + row matching + kvviz cache "
-                         "and ledger")
+                         "and ledger; both prefills padded alike (a prompt's rows never, its last row's lm_head)")
         section.add(f"{press}_native_vs_own_forward", min(in_run), "x", "<= 1.2",
                     note="inside one native run: the whole fork over the press's forward in it (the snapshot hooks "
                          "counted in the forward); what matching and kvviz's cache and ledger add")

@@ -1,4 +1,4 @@
-"""Issue 5: time of a lengths x depths needle grid per method."""
+"""Time of a lengths x depths needle grid per method."""
 
 from __future__ import annotations
 

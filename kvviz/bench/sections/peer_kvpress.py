@@ -54,5 +54,6 @@ def peer_kvpress(run: BenchRun) -> Section:
         ratio = min(times["ours"]) / min(times["theirs"])
         section.add(f"{name}_vs_{press_name}", ratio, "x", "<= 1.2",
                     note=f"{min(times['ours']):.2f}s vs {min(times['theirs']):.2f}s; kept {kept['ours']} vs "
-                         f"{kept['theirs']} of {n}; ours = prefill + statistics + fork with ledger off")
+                         f"{kept['theirs']} of {n}; ours = prefill + statistics + fork with ledger off; both "
+                         "prefills padded alike (a prompt's rows are never padded, its last row's lm_head is)")
     return section

@@ -1,4 +1,4 @@
-"""Issue 5: time of a streaming perplexity run per method (the policy applied token by token)."""
+"""Time of a streaming perplexity run per method (the policy applied token by token)."""
 
 from __future__ import annotations
 

@@ -61,7 +61,8 @@ def shared_prefill(run: BenchRun) -> Section:
     section.add("prompt_tokens", n)
     section.add("independent_seconds", independent, "s", note="each method its own session and prefill")
     section.add("shared_seconds", shared.seconds, "s", note="one session: prefill once, fork per method")
-    section.add("shared_vs_independent", shared.seconds / independent, "x", "<= 0.5")
+    section.add("shared_vs_independent", shared.seconds / independent, "x", "<= 0.5",
+                note="both decode each method one row at a time, unpadded (kvviz's one-row decode both ways)")
     section.add("prefill_seconds", shared.prefill_seconds, "s")
     section.add("shared_vs_prefill_plus_decodes", shared.seconds / (shared.prefill_seconds + decodes), "x",
                 note="~1: N methods cost one prefill plus N decodes")

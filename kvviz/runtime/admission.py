@@ -1,0 +1,112 @@
+"""Which runs decode together: the one admission policy the app's queue and the bench's class both follow.
+
+Decoding together pays where a decode step is bound by reading the weights: a run's rows added to the running batch
+read the same weights and cost the others little, so every run finishes sooner. Where a step is bound by its
+arithmetic (on a CPU, rows attending over long caches: attention and each method's bookkeeping are paid per row), a
+run admitted beside others adds its whole work to every step of theirs, and its prefill runs between their steps:
+nobody's result comes before the end. Measured on the 2-core CPU (``python -m kvviz bench --sections classroom``,
+docs/performance.md): 30 short comparisons (two configurations on a ~30-token prompt, some 80 positions each) all done
+in 0.29-0.36x of the time one at a time, eight decoding together, and every wait shorter; four comparisons of six
+configurations on 2K-token uploads (12K positions each) all done in 0.78x together, but the median student waited 66 s
+against 41 s one at a time.
+
+So a run joins the runs in progress only while the positions their rows attend over at each step (each run's prompt
+tokens times its configurations) stay within its device's bound. On a CPU that bound is 2,048 positions: a decode step
+of SmolLM2 reads its weights in about 25 ms and spends about 20 us per cached position on per-row work (a 2K comparison
+of six configurations: about 310 ms a step, 75 ms of it in the linear layers), so past some 2K positions a step is
+mostly work a batch does not share. Short comparisons batch eight at a time; a 2K upload runs alone. An accelerator's
+step stays bound by reading the weights far longer, so there the count of runs is the only bound. A run that holds
+the model by itself (a study, whose runs take the model's lock throughout) is admitted only when nothing else runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvviz.runtime.together import RUNS_TOGETHER
+
+CPU_POSITIONS = 2048  # the most positions runs decoding together may hold on a CPU (a run alone always runs)
+
+
+@dataclass(frozen=True)
+class RunSize:
+    """What one run puts on the model while it runs: the positions its rows attend over at each decode step (its
+    prompt's tokens times its configurations), on which device, and whether it shares the model's forwards at all."""
+
+    positions: int = 0
+    device: str = ""
+    shares: bool = True  # False: it holds the model's lock throughout, and runs alone
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Whether a run may start beside the runs in progress: at most ``most_runs`` of them, holding at most
+    ``cpu_positions`` positions together on a CPU (None: no bound). A run starts at once when nothing runs."""
+
+    most_runs: int = RUNS_TOGETHER
+    cpu_positions: int | None = CPU_POSITIONS
+
+    def bound(self, device: str) -> int | None:
+        """The most positions runs decoding together may hold on ``device``."""
+        return self.cpu_positions if device.startswith("cpu") else None
+
+    def admits(self, running: Sequence[RunSize], candidate: RunSize) -> bool:
+        """Whether ``candidate`` may start now, beside ``running``."""
+        if not running:
+            return True
+        if len(running) >= self.most_runs or not candidate.shares or not all(size.shares for size in running):
+            return False
+        bound = self.bound(candidate.device)
+        return bound is None or sum(size.positions for size in running) + candidate.positions <= bound
+
+    def describe(self, device: str) -> str:
+        """The policy on ``device``, in words (for notes and logs)."""
+        if self.most_runs == 1:
+            return "one run at a time"
+        bound = self.bound(device)
+        return (f"up to {self.most_runs} runs at once" if bound is None
+                else f"up to {self.most_runs} runs at once holding at most {bound:,} positions together")
+
+
+ADMISSION = Admission()  # the server's policy: the app's queue and the bench's class serve runs by it
+ONE_AT_A_TIME = Admission(most_runs=1)  # what decoding together is compared with
+
+
+class Arrivals:
+    """Runs started in the order they arrived, each once ``admission`` admits it beside those in progress (nobody
+    overtakes: a run that does not fit yet holds the ones behind it). The bench serves a class through it; the app's
+    queue applies the same policy to its own round-robin order."""
+
+    def __init__(self, admission: Admission):
+        self.admission = admission
+        self._changed = threading.Condition()
+        self._waiting: list[RunSize] = []  # identities: equal sizes are different runs
+        self._running: list[RunSize] = []
+        self.most_at_once = 0  # the most runs that were in progress at once
+
+    def arrive(self, size: RunSize) -> RunSize:
+        """Queue a run (in the caller's order); pass what this returns to :meth:`admitted`."""
+        ticket = RunSize(size.positions, size.device, size.shares)  # its own object, whatever it equals
+        with self._changed:
+            self._waiting.append(ticket)
+        return ticket
+
+    @contextlib.contextmanager
+    def admitted(self, ticket: RunSize) -> Iterator[None]:
+        """Wait for ``ticket``'s turn and admission; the block is its run."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._waiting[0] is ticket
+                                   and self.admission.admits(self._running, ticket))
+            self._waiting.pop(0)
+            self._running.append(ticket)
+            self.most_at_once = max(self.most_at_once, len(self._running))
+            self._changed.notify_all()
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._running = [size for size in self._running if size is not ticket]
+                self._changed.notify_all()

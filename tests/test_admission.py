@@ -1,0 +1,97 @@
+"""Which runs decode together (kvviz.runtime.admission): on a CPU short comparisons start together and a long
+upload's comparison alone; on an accelerator only the count bounds them; a study runs alone. The bench's class is
+served through the same policy, in arrival order."""
+
+import threading
+import time
+from types import SimpleNamespace
+
+from kvviz.runs import AttentionRequest, CompareRequest, RunRequest
+from kvviz.runtime.admission import ADMISSION, CPU_POSITIONS, ONE_AT_A_TIME, Admission, Arrivals, RunSize
+from kvviz.runtime.together import RUNS_TOGETHER
+
+SHORT = RunSize(40 * 2, "cpu")  # a student's comparison: two configurations on a ~40-token prompt
+UPLOAD = RunSize(2022 * 6, "cpu")  # six configurations on a 2K-token upload
+
+
+def test_a_run_starts_at_once_when_nothing_runs_whatever_its_size():
+    assert ADMISSION.admits([], UPLOAD) and ADMISSION.admits([], RunSize(shares=False))
+
+
+def test_short_comparisons_start_together_up_to_the_count_on_a_cpu():
+    assert ADMISSION.admits([SHORT] * (RUNS_TOGETHER - 1), SHORT)
+    assert not ADMISSION.admits([SHORT] * RUNS_TOGETHER, SHORT)
+
+
+def test_a_long_upload_runs_alone_on_a_cpu_and_nothing_joins_it():
+    assert UPLOAD.positions > CPU_POSITIONS
+    assert not ADMISSION.admits([SHORT], UPLOAD)
+    assert not ADMISSION.admits([UPLOAD], SHORT)
+    assert not ADMISSION.admits([UPLOAD], UPLOAD)
+
+
+def test_runs_join_while_the_positions_together_fit_the_cpus_bound():
+    half = RunSize(CPU_POSITIONS // 2, "cpu")
+    assert ADMISSION.admits([half], half)
+    assert not ADMISSION.admits([half, half], SHORT)
+
+
+def test_on_an_accelerator_only_the_count_bounds_runs_together():
+    upload = RunSize(UPLOAD.positions, "cuda")
+    assert ADMISSION.admits([upload] * (RUNS_TOGETHER - 1), upload)
+    assert not ADMISSION.admits([upload] * RUNS_TOGETHER, upload)
+
+
+def test_a_run_that_holds_the_model_runs_alone():
+    study = RunSize(device="cuda", shares=False)
+    assert not ADMISSION.admits([SHORT], study) and not ADMISSION.admits([study], RunSize(device="cuda"))
+
+
+def test_one_at_a_time_admits_nothing_beside_a_run():
+    assert not ONE_AT_A_TIME.admits([SHORT], SHORT)
+    assert ONE_AT_A_TIME.describe("cpu") == "one run at a time"
+    assert "2,048 positions" in ADMISSION.describe("cpu") and "positions" not in ADMISSION.describe("cuda")
+
+
+def test_requests_say_what_they_put_on_the_model():
+    on_cpu = SimpleNamespace(device="cpu")  # all a request reads of the model to size itself
+    compare = CompareRequest(tuple(range(30)), ("full", "window:window=8"), 3)
+    assert compare.run_size(on_cpu) == RunSize(60, "cpu")
+    assert AttentionRequest(tuple(range(30)), 0, 4).run_size(on_cpu) == RunSize(30, "cpu")
+    assert RunRequest().run_size(on_cpu).shares is False, "a study holds the model's lock: alone"
+
+
+def _serve(arrivals: Arrivals, sizes: list[RunSize], seconds: float) -> list[tuple[int, float, float]]:
+    """Each size's run (sleeping ``seconds``) through ``arrivals`` on its own thread: (index, start, end)."""
+    spans: list[tuple[int, float, float]] = []
+    tickets = [arrivals.arrive(size) for size in sizes]
+
+    def run(index: int) -> None:
+        with arrivals.admitted(tickets[index]):
+            started = time.monotonic()
+            time.sleep(seconds)
+            spans.append((index, started, time.monotonic()))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in reversed(range(len(sizes)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    return sorted(spans)
+
+
+def test_arrivals_start_runs_in_order_as_the_policy_admits_them():
+    arrivals = Arrivals(Admission(most_runs=2))
+    spans = _serve(arrivals, [SHORT] * 4, 0.1)
+    starts = [start for _, start, _ in spans]
+    assert arrivals.most_at_once == 2
+    assert starts == sorted(starts), "nobody overtakes"
+    assert starts[2] >= min(end for _, _, end in spans[:2]), "the third waits for one of the first two"
+
+
+def test_arrivals_hold_a_run_that_does_not_fit_and_those_behind_it():
+    arrivals = Arrivals(ADMISSION)
+    spans = _serve(arrivals, [SHORT, UPLOAD, SHORT], 0.1)
+    (_, _, short_end), (_, upload_start, upload_end), (_, last_start, _) = spans
+    assert upload_start >= short_end and last_start >= upload_end, "the upload alone; the short run behind it waits"
+    assert arrivals.most_at_once == 1
