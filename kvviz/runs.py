@@ -24,12 +24,14 @@ from kvviz.engine.results import Comparison
 from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
 from kvviz.runtime.admission import RunSize
+from kvviz.runtime.cluster import ClusterConfig, ModelSource
 from kvviz.runtime.models import LoadedModel, cache_dir
 from kvviz.runtime.progress import Progress
 from kvviz.studies.needle import NeedleReport, run_needle_grid
 from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
 from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, run_sweep
+from kvviz.studies.sweep_ray import sharded_rows
 from kvviz.studies.tail import TailReport, run_tail
 from kvviz.studies.workloads import Workload
 
@@ -217,9 +219,17 @@ class SweepRequest(RunRequest):
     workload: Workload
     specs: tuple[str, ...]
     budgets: tuple[float, ...] = DEFAULT_BUDGETS
+    # Where the items are measured: None here; a Ray cluster in shards, each stored as it finishes. Not an input:
+    # both give the same report, so the stored result is shared.
+    cluster: ClusterConfig | None = field(default=None, compare=False, repr=False)
+    worker_model: ModelSource | None = field(default=None, compare=False, repr=False)  # None: the loaded model's name
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> SweepReport:
-        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress)
+        rows = None
+        if self.cluster is not None:
+            source = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
+            rows = sharded_rows(self.cluster, source, self.workload, ResultStore.default())
+        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows)
 
 
 @dataclass

@@ -7,6 +7,7 @@ from urllib.parse import urlencode
 
 import streamlit as st
 
+from kvviz.runtime.cluster import ClusterConfig
 from kvviz_app.url import Read, shown
 
 LINKED_PROMPT_CHARS = 4000  # a longer prompt is left out of a link (browsers and proxies cut long addresses)
@@ -37,3 +38,9 @@ def families_from_link(offered: list[str], default: list[str]) -> tuple[Read[lis
     empty = any(not v.strip() for v in raw)
     notice = f"The link's {shown('m', '')} is empty; it is left out." if empty else None
     return Read(listed, notice), " ".join(typed)
+
+
+def sweep_cluster(ray_address: str) -> ClusterConfig | None:
+    """Where the page's sweeps run: the Ray cluster ``KVVIZ_RAY_ADDRESS`` names (one worker per GPU, two shards
+    each), or None, this server, when it is empty."""
+    return ClusterConfig(ray_address) if ray_address else None

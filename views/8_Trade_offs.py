@@ -17,7 +17,7 @@ from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import prompt_set_input
 from kvviz_app.results import run_pressed
-from kvviz_app.tradeoffs import compare_link, families_from_link, item_link
+from kvviz_app.tradeoffs import compare_link, families_from_link, item_link, sweep_cluster
 from kvviz_app.url import Read, choice_setting, choices_setting, flag_setting, linked, number_setting, share_settings
 
 DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py)
@@ -142,7 +142,8 @@ except ValueError as error:
     problem = str(error)
     st.error(problem)
 if st.button("Run the sweep", type="primary", disabled=problem is not None or workload is None):
-    st.session_state["sweep_request"] = SweepRequest(workload, tuple(specs), tuple(sorted(budgets)))
+    st.session_state["sweep_request"] = SweepRequest(workload, tuple(specs), tuple(sorted(budgets)),
+                                                     sweep_cluster(limits.ray_address))
     st.session_state["sweep_prompt"] = (prompt_text, chat)
 
 request, report = run_pressed(
@@ -151,6 +152,8 @@ request, report = run_pressed(
 
 count = len(report.points)
 st.success(f"{count} configuration{'s' if count != 1 else ''} on {report.workload} in {report.seconds:.1f} s.")
+if report.shard_run is not None:
+    st.caption(f"Measured on the Ray cluster: {report.shard_run.describe()}.")
 for line in report.summary:
     st.markdown(f"- {line}")
 for note in report.notes:

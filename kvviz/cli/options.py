@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from kvviz.methods import parse_spec
+from kvviz.runtime.cluster import ModelSource
 from kvviz.runtime.models import DEFAULT_MODEL, WEIGHT_MODES, LoadedModel
 
 
@@ -41,6 +42,11 @@ def load(args: argparse.Namespace) -> LoadedModel:
     from kvviz.runtime.models import load_model
 
     return load_model(args.model, args.device, args.dtype, args.weights, args.trust_remote_code)
+
+
+def model_source(args: argparse.Namespace) -> ModelSource:
+    """How Ray workers load the model the model options name (each picks its own device unless --device says)."""
+    return ModelSource(args.model, args.device, args.dtype, args.weights, args.trust_remote_code)
 
 
 def read_text(path: str) -> str:

@@ -13,6 +13,7 @@ from kvviz.cli.options import UsageError
 from kvviz.cli.output import progress_unless, write_json
 from kvviz.engine.prompts import PROMPT_SET_SUFFIX, PromptLine, read_prompt_set
 from kvviz.engine.session import PromptError
+from kvviz.runtime.cluster import LOCAL, ClusterConfig, ClusterError, connect
 from kvviz.studies.workloads import DEFAULT_ITEMS
 
 NO_SIZE_LIMIT = 1 << 40  # files a user names on the command line are read whole (the server's upload cap is its own)
@@ -42,6 +43,13 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="shares of the full cache in (0, 1] (default 0.0625,0.125,0.25,0.5)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--markdown", action="store_true", help="print one Markdown table row per point")
+    parser.add_argument("--ray", nargs="?", const=LOCAL, metavar="ADDRESS",
+                        help="measure in shards on Ray workers, each shard stored as it finishes (a rerun measures "
+                             "only what is missing): alone, a local Ray instance on 127.0.0.1; with an address "
+                             "(auto, ray://HEAD:10001) an existing cluster")
+    parser.add_argument("--workers", type=int, help="Ray workers, each loading the model once (default: one per GPU "
+                        "of the cluster, one without GPUs)")
+    parser.add_argument("--shard-items", type=int, help="items (or prompts) per shard (default: two shards per worker)")
     options.add_output_options(parser)
     return parser
 
@@ -67,6 +75,24 @@ def prompt_lines(args: argparse.Namespace) -> list[PromptLine] | None:
         raise UsageError(str(error)) from None
 
 
+def ray_cluster(args: argparse.Namespace) -> ClusterConfig | None:
+    """The cluster --ray names, joined (or started) now, so a missing Ray or an unreachable address fails in
+    seconds, before the model loads; None without --ray."""
+    if args.ray is None:
+        if args.workers is not None or args.shard_items is not None:
+            raise UsageError("--workers and --shard-items go with --ray")
+        return None
+    for name, value in (("--workers", args.workers), ("--shard-items", args.shard_items)):
+        if value is not None and value < 1:
+            raise UsageError(f"{name} must be at least 1")
+    cluster = ClusterConfig(None if args.ray == LOCAL else args.ray, args.workers, args.shard_items)
+    try:
+        connect(cluster)
+    except ClusterError as error:
+        raise UsageError(str(error)) from None
+    return cluster
+
+
 def run(args: argparse.Namespace) -> int:
     from kvviz.runs import SweepRequest
     from kvviz.studies.perplexity import play_text
@@ -87,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
             play_text(args.play)
     except (ValueError, LookupError) as error:
         raise UsageError(str(error).strip("'\"")) from None
+    cluster = ray_cluster(args)
     loaded = options.load(args)
     if lines is not None:
         try:
@@ -95,13 +122,18 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(str(error)) from None
     else:
         workload = TextWorkload(args.play, args.play_tokens) if args.play is not None else task
-    report = SweepRequest(workload, tuple(args.method), tuple(budgets)).compute(loaded, progress_unless(args.quiet))
+    request = SweepRequest(workload, tuple(args.method), tuple(budgets), cluster,
+                           None if cluster is None else options.model_source(args))
+    try:
+        report = request.compute(loaded, progress_unless(args.quiet))
+    except ClusterError as error:
+        raise UsageError(str(error)) from None
     if args.json:
         write_json(args.json, report.to_json())
     if args.json != "-":
         count = len(report.points)
         print(f"model {report.model}, {report.workload}: {count} configuration{'s' if count != 1 else ''} in "
-              f"{report.seconds:.1f} s\n")
+              f"{report.seconds:.1f} s" + (f", {report.shard_run.describe()}" if report.shard_run else "") + "\n")
         print(report.markdown() if args.markdown else
               report.to_frame().drop(columns=["kv_bytes_full"]).to_string(index=False))
         print()

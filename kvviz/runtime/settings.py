@@ -50,10 +50,14 @@ MAX_UPLOAD_MB = Variable("KVVIZ_MAX_UPLOAD_MB", "2", "largest prompt file accept
                          "Streamlit's upload limit too)", read_by=f"{APP}, container entry point")
 PRESSES = Variable("KVVIZ_PRESSES", "", "comma-separated dotted paths of your own kvpress presses "
                    "(`kvpress_native:press=...`)", read_by=f"{APP}, CLI")
+RAY_ADDRESS = Variable("KVVIZ_RAY_ADDRESS", "", "a Ray cluster (`auto`, `ray://head:10001`) the Trade-offs page "
+                       "sends its sweeps to, in shards on its workers, each stored as it finishes",
+                       shown="empty (sweeps run in the server)")
 ALLOW_PRESSES = Variable("KVVIZ_ALLOW_PRESSES", "0", "1: offer `KVVIZ_PRESSES` in class mode too")
 
 VARIABLES: tuple[Variable, ...] = (
     MODEL, ALLOWED_MODELS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS, MAX_ITEMS, DEVICE, MAX_UPLOAD_MB, PRESSES, ALLOW_PRESSES,
+    RAY_ADDRESS,
     Variable("KVVIZ_CACHE", "~/.cache/kvviz", "where converted models live (the image sets `/models/kvviz`, "
              "the models volume)", read_by="model loading"),
     Variable("KVVIZ_RESULTS", "", "the result store: finished runs on disk, keyed by inputs, model and kvviz's code",
@@ -113,6 +117,7 @@ class Settings:
     max_upload_mb: int = int(MAX_UPLOAD_MB.default)
     presses: tuple[str, ...] = ()  # dotted paths of the server's own kvpress presses (kvpress_native)
     allow_presses_in_class_mode: bool = False
+    ray_address: str = ""  # empty: sweeps run in the server; else the Ray cluster they are sharded over
 
     @property
     def custom_presses_allowed(self) -> bool:
@@ -150,4 +155,5 @@ class Settings:
             max_upload_mb=_positive_int(environ, MAX_UPLOAD_MB),
             presses=_names(environ, PRESSES),
             allow_presses_in_class_mode=ALLOW_PRESSES.read(environ).lower() in ("1", "true", "yes"),
+            ray_address=RAY_ADDRESS.read(environ),
         )

@@ -10,13 +10,15 @@ evidence: a 95% interval (:mod:`kvviz.studies.intervals`), the tail beside the m
 95th-percentile per-token KL) and one outcome per item. A point whose interval overlaps full's is indistinguishable
 from full at this sample size; each family's *cliff* is where it stops being so (:func:`kvviz.studies.frontier.
 find_cliff`). Measuring is :mod:`kvviz.studies.sweep_measure`: all configurations of a wave of items decode in one
-batch, and a play's configurations stream together.
+batch, and a play's configurations stream together; the rows it measures may come from shards run elsewhere (a Ray
+cluster: :mod:`kvviz.studies.sweep_ray`), and fill the same points.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from kvviz.methods import MethodStack, Sizing, SpecError, parse_spec
@@ -25,7 +27,8 @@ from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 from kvviz.studies.frontier import MEASURES, Candidate, Cliff, find_cliff, on_frontier, recommendation
 from kvviz.studies.intervals import BOOTSTRAP_RULE, WILSON_RULE, overlap
-from kvviz.studies.sweep_measure import Measured, Outcome, measure_prompts, measure_task, measure_text
+from kvviz.studies.sweep_measure import Measured, Outcome, Rows, fill_points, measure_rows
+from kvviz.studies.sweep_shards import ShardRun
 from kvviz.studies.workloads import ANSWER_RULE, Workload, check_workload
 
 DEFAULT_BUDGETS = (0.0625, 0.125, 0.25, 0.5)
@@ -182,6 +185,7 @@ class SweepReport:
     items: list[dict] = field(default_factory=list)  # what was scored: id, prompt text, expected answer
     cliffs: dict[str, Cliff | None] = field(default_factory=dict)  # family SPEC -> its cliff
     rules: dict[str, str] = field(default_factory=dict)  # how intervals and answers are read
+    shard_run: ShardRun | None = None  # how a sharded sweep ran (workers, shards, reused); None in process
 
     @property
     def main_measure(self) -> str:
@@ -194,7 +198,8 @@ class SweepReport:
                 "families": [asdict(f) | {"describe": f.describe(), "cliff": _cliff_json(self.cliffs.get(f.spec))}
                              for f in self.families],
                 "points": [p.to_json() for p in self.points], "frontiers": self.frontiers, "summary": self.summary,
-                "notes": self.notes, "seconds": round(self.seconds, 3)}
+                "notes": self.notes, "seconds": round(self.seconds, 3),
+                **(self.shard_run.to_json() if self.shard_run is not None else {})}
 
     def to_frame(self):
         import pandas as pd
@@ -225,18 +230,28 @@ def _cliff_json(cliff: Cliff | None) -> dict | None:
     return None if cliff is None else asdict(cliff) | {"sentence": cliff.sentence()}
 
 
-MEASURE_OF = {"prompt": measure_prompts, "task": measure_task, "text": measure_text}
+# Measures the rows of every item under the SPECs given (full first): in process, or shards on a cluster
+RowSource = Callable[[list[str], Progress | None], tuple[Rows, ShardRun | None]]
 SCOPE_NOTES = {
     "text": "Perplexity on one play measures how well the cache follows text, not whether it answers; it has no "
             "interval.",
 }
 
 
+def in_process(loaded: LoadedModel, workload: Workload) -> RowSource:
+    """Every item measured here, in one go."""
+    def measure(specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun | None]:
+        return measure_rows(loaded, workload, specs, None, progress), None
+
+    return measure
+
+
 def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets: list[float] = DEFAULT_BUDGETS,
-              progress: Progress | None = None) -> SweepReport:
+              progress: Progress | None = None, rows: RowSource | None = None) -> SweepReport:
     """Measure every family at every budget on ``workload`` (full first, the reference), then mark the frontiers,
-    which points are indistinguishable from full, and each family's cliff. ValueError (SpecError, PromptError
-    included) for bad arguments, before any model work."""
+    which points are indistinguishable from full, and each family's cliff. ``rows`` measures elsewhere (shards on
+    a cluster); by default this process measures every item. ValueError (SpecError, PromptError included) for bad
+    arguments, before any model work."""
     check_sweep(list(specs), list(budgets), workload)
     card = model_card(loaded)
     sizing = Sizing(workload.sizing_length(), card.kv_heads, card.head_dim, card.bytes_per_element)
@@ -245,7 +260,8 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     full = Family("full", None, (), "fixed")
     planned = [(full, None, "full"), *planned]
     points = [SweepPoint(spec, family.spec, family.kind, share) for family, share, spec in planned]
-    measured: Measured = MEASURE_OF[workload.kind](loaded, workload, points, progress)
+    measured_rows, shard_run = (rows or in_process(loaded, workload))([p.spec for p in points], progress)
+    measured: Measured = fill_points(workload, points, measured_rows)
     notes = measured.notes + budget_reversals(points)
     frontiers = {}
     for quality in workload.measures:
@@ -277,11 +293,11 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     if workload.kind == "prompt" and workload.answered:
         rules["answer"] = ANSWER_RULE
         rules["agreement_interval"] = BOOTSTRAP_RULE
-    if progress is not None:
+    if progress is not None and shard_run is None:  # a sharded sweep's bar ends with its last shard
         progress(1.0, "done")
     return SweepReport(loaded.name, workload.describe(), workload.kind, measured.prompt_tokens, list(budgets),
                        families, points, frontiers, summary, time.perf_counter() - started, notes, measured.items,
-                       cliffs, rules)
+                       cliffs, rules, shard_run)
 
 
 def mark_like_full(points: list[SweepPoint], interval_key: str | None) -> None:

@@ -1,12 +1,17 @@
 """Measuring a sweep's points on each kind of workload: every configuration of every item or prompt in one running
 batch, every configuration of a play in one streaming forward per token.
 
-Each function fills the points it is given (``full`` first, the reference) and returns what the report needs
-besides: the prompt length, notes, and the items or prompts it scored.
+Measuring is two steps so that a sweep can be cut into shards (:mod:`kvviz.studies.sweep_shards`): decoding some of
+a workload's items under every configuration gives :class:`Rows` (one small :class:`Cell` per item and configuration,
+no ledgers or tensors, so a shard is cheap to store and to send between machines); :func:`fill_points` reads the rows
+of every item, in item order, into the points (``full`` first, the reference) and returns what the report needs
+besides: the prompt length, notes, and the items or prompts it scored. Rows joined from shards fill the same points
+as rows measured in one go.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvviz.engine.batched import decode_prompts
@@ -19,7 +24,7 @@ from kvviz.studies.intervals import bootstrap_mean, percentile, wilson
 from kvviz.studies.perplexity import play_text, streaming_perplexities
 from kvviz.studies.tail_attribution import failure_cause, span_fates
 from kvviz.studies.tail_items import NEW_TOKENS, spread_items
-from kvviz.studies.workloads import PromptWorkload, TaskWorkload, TextWorkload, answer_found
+from kvviz.studies.workloads import PromptWorkload, TaskWorkload, TextWorkload, Workload, answer_found
 
 
 @dataclass
@@ -47,19 +52,83 @@ class Measured:
     items: list[dict] = field(default_factory=list)
 
 
-def fill_bytes(point, results: list[MethodResult], fulls: list[MethodResult]) -> None:
+@dataclass
+class Cell:
+    """One item under one configuration, reduced to what its point reads: bytes, the outcome (for tasks only on
+    items full got right), per-step KL and first divergence (prompts), perplexity (a play), or the error."""
+
+    error: str | None = None
+    kv_bytes: int = 0
+    kv_bytes_full: int = 0
+    full_precision_bytes: int = 0
+    factors: dict | None = None
+    outcome: Outcome | None = None
+    kl_per_step: list[float] = field(default_factory=list)
+    first_divergence: int | None = None
+    perplexity: float | None = None
+
+
+@dataclass
+class Rows:
+    """Some items of a workload measured under every configuration: per item its listing (id, prompt, expected),
+    whether it is kept (scored: full got it right), its prompt tokens and one :class:`Cell` per configuration."""
+
+    listing: list[dict] = field(default_factory=list)
+    kept: list[bool] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    cells: list[list[Cell]] = field(default_factory=list)
+
+    @classmethod
+    def join(cls, parts: Sequence[Rows]) -> Rows:
+        """The rows of several shards as one, in the order given (the items' order)."""
+        joined = cls()
+        for part in parts:
+            joined.listing += part.listing
+            joined.kept += part.kept
+            joined.tokens += part.tokens
+            joined.cells += part.cells
+        return joined
+
+
+def item_count(workload: Workload) -> int:
+    """How many items a workload has: a task's items, a set's prompts, and a play is one stream (one item)."""
+    if isinstance(workload, TaskWorkload):
+        return workload.items
+    if isinstance(workload, PromptWorkload):
+        return len(workload.prompts)
+    return 1
+
+
+def measure_rows(loaded: LoadedModel, workload: Workload, specs: list[str], indices: Sequence[int] | None = None,
+                 progress: Progress | None = None) -> Rows:
+    """Every SPEC (``full`` first) on the items at ``indices`` (all when None), as :class:`Rows`."""
+    chosen = range(item_count(workload)) if indices is None else indices
+    return ROWS_OF[workload.kind](loaded, workload, specs, list(chosen), progress)
+
+
+def fill_points(workload: Workload, points: list, rows: Rows) -> Measured:
+    """The points filled from the rows of every item of ``workload``, and what the report needs besides."""
+    return FILL_OF[workload.kind](workload, points, rows)
+
+
+def cell_of(result: MethodResult, outcome: Outcome | None = None) -> Cell:
+    factors = result.axis_factors
+    return Cell(result.error, result.kv_bytes, result.kv_bytes_full, result.kv_breakdown.full_precision,
+                None if factors is None else {"architecture": factors.architecture, "eviction": factors.eviction,
+                                              "quantization": factors.quantization},
+                outcome, list(result.kl_per_step), result.first_divergence)
+
+
+def fill_bytes(point, cells: list[Cell], fulls: list[Cell]) -> None:
     """A point's bytes: the mean over its items of what its cache and full's held at the end."""
-    point.kv_bytes = round(sum(r.kv_bytes for r in results) / len(results))
-    point.kv_bytes_full = round(sum(r.kv_bytes_full for r in fulls) / len(fulls))
-    point.full_precision_bytes = round(sum(r.kv_breakdown.full_precision for r in results) / len(results))
-    factors = results[0].axis_factors
-    if factors is not None:
-        point.factors = {"architecture": factors.architecture, "eviction": factors.eviction,
-                         "quantization": factors.quantization}
+    point.kv_bytes = round(sum(c.kv_bytes for c in cells) / len(cells))
+    point.kv_bytes_full = round(sum(c.kv_bytes_full for c in fulls) / len(fulls))
+    point.full_precision_bytes = round(sum(c.full_precision_bytes for c in cells) / len(cells))
+    point.factors = cells[0].factors
 
 
-def first_error(results: list[MethodResult]) -> str | None:
-    return next((r.error for r in results if r.error), None)
+def first_error(cells: list[Cell]) -> str | None:
+    return next((c.error for c in cells if c.error), None)
 
 
 def fill_accuracy(point, outcomes: list[Outcome]) -> None:
@@ -72,94 +141,131 @@ def fill_accuracy(point, outcomes: list[Outcome]) -> None:
     point.accuracy_ci = wilson(right, len(scored))
 
 
-def measure_task(loaded: LoadedModel, workload: TaskWorkload, points: list, progress: Progress | None) -> Measured:
-    """Every point on the task's items, free-running, all configurations of a wave of items in one batch; an item
-    counts only where full answers it right."""
-    items = spread_items(loaded.tokenizer, workload.task, workload.length, workload.items, workload.seed)
-    per_item = decode_prompts(loaded, [item.ids for item in items], [p.spec for p in points],
-                              NEW_TOKENS[workload.task], FREE, progress)
-    kept = [(item, results) for item, results in zip(items, per_item, strict=True)
-            if results[0].error is None and all(item.score(results[0].text).values())]
+def task_rows(loaded: LoadedModel, workload: TaskWorkload, specs: list[str], indices: list[int],
+              progress: Progress | None) -> Rows:
+    """The task's items at ``indices``, free-running, all configurations of a wave of items in one batch; an item
+    is kept (scored) only where full answers it right."""
+    every = spread_items(loaded.tokenizer, workload.task, workload.length, workload.items, workload.seed)
+    items = [every[i] for i in indices]
+    per_item = decode_prompts(loaded, [item.ids for item in items], specs, NEW_TOKENS[workload.task], FREE, progress)
+    quantized = [parse_spec(spec).quantization is not None for spec in specs]
+    rows = Rows()
+    for item, results in zip(items, per_item, strict=True):
+        kept = results[0].error is None and all(item.score(results[0].text).values())
+        cells = []
+        for result, quantizes in zip(results, quantized, strict=True):
+            outcome = None
+            if kept and result.error is None:
+                checks = item.score(result.text)
+                fates = span_fates(result.ledger, item.spans)
+                correct = all(checks.values())
+                outcome = Outcome(item.item_id, correct, cause="" if correct else failure_cause(
+                    item, checks, fates, quantizes), evicted={f.label: len(f.evicted_layers) for f in fates
+                                                              if f.evicted}, answer=result.text.strip())
+            cells.append(cell_of(result, outcome))
+        rows.listing.append({"id": item.item_id, "prompt": loaded.tokenizer.decode(item.ids),
+                             "expected": item.expected, "depth": item.depth, "kept": kept})
+        rows.kept.append(kept)
+        rows.tokens.append(len(item.ids))
+        rows.cells.append(cells)
+    return rows
+
+
+def fill_task(workload: TaskWorkload, points: list, rows: Rows) -> Measured:
+    """Accuracy of every point on the items full got right, with each item's outcome and its cause."""
+    kept = [cells for cells, keep in zip(rows.cells, rows.kept, strict=True) if keep]
     for index, point in enumerate(points):
-        results = [results[index] for _, results in kept]
-        point.error = first_error([r[index] for r in per_item])
+        point.error = first_error([cells[index] for cells in rows.cells])
         if point.error is not None or not kept:
             continue
-        quantized = parse_spec(point.spec).quantization is not None
-        outcomes = []
-        for (item, _), result in zip(kept, results, strict=True):
-            checks = item.score(result.text)
-            fates = span_fates(result.ledger, item.spans)
-            correct = all(checks.values())
-            outcomes.append(Outcome(item.item_id, correct, cause="" if correct else failure_cause(
-                item, checks, fates, quantized), evicted={f.label: len(f.evicted_layers) for f in fates if f.evicted},
-                answer=result.text.strip()))
-        fill_bytes(point, results, [r[0] for _, r in kept])
-        fill_accuracy(point, outcomes)
-        point.outcomes = outcomes
+        cells = [row[index] for row in kept]
+        fill_bytes(point, cells, [row[0] for row in kept])
+        point.outcomes = [cell.outcome for cell in cells]
+        fill_accuracy(point, point.outcomes)
     if not kept:
         for point in points:
             point.error = point.error or "the full cache got no item right at these settings: nothing to score"
-    listed = [{"id": item.item_id, "prompt": loaded.tokenizer.decode(item.ids), "expected": item.expected,
-               "depth": item.depth, "kept": any(item is k for k, _ in kept)} for item in items]
-    notes = [f"{len(kept)} of {len(items)} items kept: the full cache got them right (the others are not scored)"]
-    return Measured(round(sum(len(item.ids) for item in items) / len(items)), notes, listed)
+    notes = [f"{len(kept)} of {len(rows.cells)} items kept: the full cache got them right (the others are not "
+             "scored)"]
+    return Measured(round(sum(rows.tokens) / len(rows.tokens)), notes, rows.listing)
 
 
-def measure_prompts(loaded: LoadedModel, workload: PromptWorkload, points: list,
-                    progress: Progress | None) -> Measured:
-    """Every point on every prompt in one batch per wave: teacher-forced agreement and KL on every prompt; with
-    answers also free-running outputs, scored on the prompts whose answer full's output holds."""
+def prompt_rows(loaded: LoadedModel, workload: PromptWorkload, specs: list[str], indices: list[int],
+                progress: Progress | None) -> Rows:
+    """The prompts at ``indices`` in one batch per wave: teacher-forced agreement and KL on every prompt; with
+    answers also free-running outputs, a prompt kept for accuracy where full's output holds its answer."""
     answered = workload.answered
-    prompts = workload.prompts
-    per_prompt = decode_prompts(loaded, [p.ids for p in prompts], [p.spec for p in points], workload.max_new_tokens,
+    prompts = [workload.prompts[i] for i in indices]
+    per_prompt = decode_prompts(loaded, [p.ids for p in prompts], specs, workload.max_new_tokens,
                                 BOTH if answered else FORCED, progress)
-    kept = [answered and results[0].error is None and answer_found(prompt.answer, results[0].text)
-            for prompt, results in zip(prompts, per_prompt, strict=True)]
+    rows = Rows()
+    for prompt, results in zip(prompts, per_prompt, strict=True):
+        kept = answered and results[0].error is None and answer_found(prompt.answer, results[0].text)
+        rows.cells.append([cell_of(result, Outcome(
+            prompt.name, answer_found(prompt.answer, result.text) if kept else None, result.agreement_with_full,
+            result.mean_kl, answer=result.text.strip() if answered else "")) for result in results])
+        rows.listing.append({"id": prompt.name, "prompt": prompt.text, "expected": prompt.answer})
+        rows.kept.append(kept)
+        rows.tokens.append(len(prompt.ids))
+    return rows
+
+
+def fill_prompts(workload: PromptWorkload, points: list, rows: Rows) -> Measured:
+    """Agreement, KL and their tails of every point over every prompt; with answers, accuracy on the kept ones."""
     for column, point in enumerate(points):
-        results = [row[column] for row in per_prompt]
-        point.error = first_error(results)
+        cells = [row[column] for row in rows.cells]
+        point.error = first_error(cells)
         if point.error is not None:
             continue
-        fill_bytes(point, results, [row[0] for row in per_prompt])
-        point.outcomes = [Outcome(prompt.name, answer_found(prompt.answer, result.text) if scored else None,
-                                  result.agreement_with_full, result.mean_kl,
-                                  answer=result.text.strip() if answered else "")
-                          for prompt, result, scored in zip(prompts, results, kept, strict=True)]
+        fill_bytes(point, cells, [row[0] for row in rows.cells])
+        point.outcomes = [cell.outcome for cell in cells]
         agreements = [o.agreement for o in point.outcomes]
         point.agreement_with_full = sum(agreements) / len(agreements)
         point.agreement_ci = bootstrap_mean(agreements)
         point.worst_prompt_agreement = min(agreements)
         point.mean_kl = sum(o.mean_kl for o in point.outcomes) / len(point.outcomes)
-        point.kl_p95 = percentile([kl for r in results for kl in r.kl_per_step], 0.95)
-        divergences = [r.first_divergence for r in results if r.first_divergence is not None]
+        point.kl_p95 = percentile([kl for c in cells for kl in c.kl_per_step], 0.95)
+        divergences = [c.first_divergence for c in cells if c.first_divergence is not None]
         point.first_divergence = min(divergences) if divergences else None
-        point.items_scored = len(prompts)
-        if answered:
+        point.items_scored = len(cells)
+        if workload.answered:
             fill_accuracy(point, point.outcomes)
     notes = []
-    if answered:
-        notes.append(f"{sum(kept)} of {len(prompts)} prompts kept for accuracy: the full cache's output holds their "
+    if workload.answered:
+        kept = sum(rows.kept)
+        notes.append(f"{kept} of {len(rows.cells)} prompts kept for accuracy: the full cache's output holds their "
                      "answer (agreement and KL cover every prompt)")
-        if not any(kept):
+        if not kept:
             for point in points:
                 point.error = point.error or "the full cache answered no prompt right: nothing to score"
-    listed = [{"id": p.name, "prompt": p.text, "expected": p.answer} for p in prompts]
-    return Measured(workload.sizing_length(), notes, listed)
+    return Measured(workload.sizing_length(), notes, rows.listing)
 
 
-def measure_text(loaded: LoadedModel, workload: TextWorkload, points: list, progress: Progress | None) -> Measured:
-    """Streaming perplexity of every point on the play, all of them fed each token in one forward."""
+def text_rows(loaded: LoadedModel, workload: TextWorkload, specs: list[str], indices: list[int],
+              progress: Progress | None) -> Rows:
+    """Streaming perplexity of every SPEC on the play (its one item), all of them fed each token in one forward."""
     try:
         text = play_text(workload.play)
     except LookupError as error:
         raise ValueError(str(error).strip("'\"")) from None
     ids = loaded.tokenizer(text)["input_ids"][: workload.tokens]
-    outcomes = streaming_perplexities(loaded, ids, [p.spec for p in points], progress)
-    full_bytes = outcomes[0].kv_bytes if not isinstance(outcomes[0], SpecError) else None
-    for point, outcome in zip(points, outcomes, strict=True):
-        if isinstance(outcome, SpecError):
-            point.error = str(outcome)
+    outcomes = streaming_perplexities(loaded, ids, specs, progress)
+    cells = [Cell(str(o)) if isinstance(o, SpecError) else Cell(kv_bytes=o.kv_bytes, perplexity=o.ppl)
+             for o in outcomes]
+    return Rows([], [False], [len(ids)], [cells])
+
+
+def fill_text(workload: TextWorkload, points: list, rows: Rows) -> Measured:
+    """Each point's perplexity and bytes, full's bytes beside them."""
+    cells = rows.cells[0]
+    full_bytes = cells[0].kv_bytes if cells[0].error is None else None
+    for point, cell in zip(points, cells, strict=True):
+        if cell.error is not None:
+            point.error = cell.error
             continue
-        point.kv_bytes, point.kv_bytes_full, point.perplexity = outcome.kv_bytes, full_bytes, outcome.ppl
-    return Measured(len(ids), [])
+        point.kv_bytes, point.kv_bytes_full, point.perplexity = cell.kv_bytes, full_bytes, cell.perplexity
+    return Measured(rows.tokens[0], [])
+
+
+ROWS_OF = {"task": task_rows, "prompt": prompt_rows, "text": text_rows}
+FILL_OF = {"task": fill_task, "prompt": fill_prompts, "text": fill_text}

@@ -6,7 +6,7 @@ import importlib
 
 ORDER = ("shared_prefill", "batched_compare", "kv_bytes", "replay_vs_generate", "bookkeeping", "decode_large_cache",
          "kivi", "peer_kvpress", "kvpress_native", "capture", "perplexity", "needle", "prefix", "sweep",
-         "classroom", "app")
+         "sweep_ray", "classroom", "app")
 
 for _name in ORDER:
     importlib.import_module(f"{__name__}.{_name}")

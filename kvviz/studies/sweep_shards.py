@@ -1,0 +1,60 @@
+"""A sweep cut into shards: groups of items (or prompts), each with every configuration, so a shard still shares its
+prefills and decodes its configurations in one batch. Pure bookkeeping, no Ray: which items each shard holds, the
+key a finished shard is stored under, and what the run did (workers, shards, reused, seconds).
+
+A shard's key is the sweep's inputs (workload and SPECs) and its items; the result store adds the model, device,
+dtype and kvviz's code, so a shard measured once is reused by any later sweep that asks for the same items.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvviz.studies.workloads import Workload
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    """What a finished shard is stored under (a request for :class:`kvviz.runs.ResultStore`): the sweep's workload
+    and SPECs (full first) and the shard's item indices."""
+
+    kind: ClassVar[str] = "sweep_shard"
+    workload: Workload
+    specs: tuple[str, ...]
+    items: tuple[int, ...]
+
+
+def shard_size(items: int, workers: int) -> int:
+    """Items per shard: two shards per worker, so a lost worker costs half its share and the last shards balance."""
+    return max(1, math.ceil(items / (2 * max(1, workers))))
+
+
+def cut_shards(items: int, size: int) -> list[tuple[int, ...]]:
+    """The item indices of each shard, in order: consecutive runs of ``size`` (the last may be shorter)."""
+    if size < 1:
+        raise ValueError("a shard holds at least one item")
+    return [tuple(range(start, min(start + size, items))) for start in range(0, items, size)]
+
+
+@dataclass
+class ShardRun:
+    """How a sharded sweep ran: where, on how many workers, how many shards, how many came from the result store,
+    and each shard's seconds on its worker (None: reused)."""
+
+    address: str
+    workers: int
+    shards: int
+    shards_reused: int
+    shard_seconds: list[float | None]
+
+    def describe(self) -> str:
+        reused = f", {self.shards_reused} reused from the result store" if self.shards_reused else ""
+        return (f"{self.shards} shard{'s' if self.shards != 1 else ''} on {self.workers} Ray "
+                f"worker{'s' if self.workers != 1 else ''} ({self.address}){reused}")
+
+    def to_json(self) -> dict:
+        return {"ray_address": self.address, "workers": self.workers, "shards": self.shards,
+                "shards_reused": self.shards_reused,
+                "shard_seconds": [None if s is None else round(s, 3) for s in self.shard_seconds]}

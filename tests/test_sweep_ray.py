@@ -1,0 +1,133 @@
+"""Sweeps on a local Ray cluster of 2 CPUs: the same report as in process, resumable from the result store, a killed
+worker losing nothing, and a worker without the model named. One Ray instance for the module (each start costs
+seconds); the workers load a tiny random-weight model saved to a folder."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: the node is 127.0.0.1
+ray = pytest.importorskip("ray")
+
+from kvviz.cli import main  # noqa: E402
+from kvviz.runs import ResultStore  # noqa: E402
+from kvviz.runtime.cluster import ClusterConfig, ClusterError, ModelSource, WorkerPool  # noqa: E402
+from kvviz.runtime.models import load_model  # noqa: E402
+from kvviz.studies.sweep import run_sweep  # noqa: E402
+from kvviz.studies.sweep_ray import release_workers, sharded_rows, worker_pool  # noqa: E402
+from kvviz.studies.workloads import PromptCase, PromptWorkload  # noqa: E402
+
+SPECS = ["snapkv", "kivi:residual=0"]
+BUDGETS = [0.25, 0.5]
+TIMED = ("seconds", "shard_seconds", "ray_address", "workers", "shards", "shards_reused")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
+             configure_logging=False)
+    yield
+    release_workers()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_model.model.save_pretrained(path)
+    tiny_model.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def loaded(folder):
+    return load_model(str(folder), "cpu")
+
+
+def prompt_set(count: int) -> PromptWorkload:
+    cases = [PromptCase(f"p{i}", "", tuple(range(40 + 3 * i, 100 + 5 * i))) for i in range(count)]
+    return PromptWorkload(tuple(cases), max_new_tokens=4)
+
+
+def without_timing(data: dict) -> dict:
+    return {k: v for k, v in data.items() if k not in TIMED}
+
+
+def test_a_ray_sweep_reports_what_the_process_does_and_resumes_from_stored_shards(cluster, folder, loaded, tmp_path,
+                                                                                  monkeypatch, capsys):
+    monkeypatch.setenv("KVVIZ_RESULTS", str(tmp_path / "store"))
+    files = []
+    for i in range(4):
+        files += ["--prompt-file", str(tmp_path / f"p{i}.txt")]
+        (tmp_path / f"p{i}.txt").write_text(f"Prompt {i}: the lighthouse keeper wrote his log every evening. " * 4)
+    args = ["sweep", *files, "--model", str(folder), "--device", "cpu", "--max-new-tokens", "4", "--budgets",
+            ",".join(map(str, BUDGETS)), *(a for s in SPECS for a in ("--method", s)), "--quiet"]
+    assert main([*args, "--json", str(tmp_path / "here.json")]) == 0
+    assert main([*args, "--ray", "--workers", "2", "--shard-items", "1", "--json", str(tmp_path / "ray.json")]) == 0
+    here, sharded = (json.loads((tmp_path / name).read_text()) for name in ("here.json", "ray.json"))
+    assert "shards" not in here
+    assert (sharded["workers"], sharded["shards"], sharded["shards_reused"]) == (2, 4, 0)
+    assert len(sharded["shard_seconds"]) == 4 and all(s > 0 for s in sharded["shard_seconds"])
+    assert without_timing(sharded) == without_timing(here)  # every point, every prompt's outcome
+    assert [o["item"] for o in sharded["points"][1]["outcomes"]] == ["p0.txt", "p1.txt", "p2.txt", "p3.txt"]
+
+    shard_files = sorted((tmp_path / "store" / "sweep_shard").glob("*.pkl"))
+    assert len(shard_files) == 4  # each shard stored as it finished
+    shard_files[0].unlink()  # as if the sweep had stopped before that shard finished
+    assert main([*args, "--ray", "--workers", "2", "--shard-items", "1", "--json", str(tmp_path / "again.json")]) == 0
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert (again["shards"], again["shards_reused"]) == (4, 3)
+    assert sum(s is None for s in again["shard_seconds"]) == 3  # one shard measured, three reused
+    assert without_timing(again) == without_timing(here)
+    assert "4 shards on 2 Ray workers (local), 3 reused" in capsys.readouterr().out
+
+
+def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(cluster, folder, loaded, tmp_path):
+    workload = prompt_set(6)
+    config, source = ClusterConfig(workers=2, shard_items=1), ModelSource(str(folder), "cpu")
+    pool = worker_pool(config, source)
+    first = pool.pids()
+    killed: list[int] = []
+
+    def kill_on_first_shard(fraction: float, message: str) -> None:
+        if fraction > 0 and not killed:  # one worker just finished a shard, the other is in the middle of one
+            killed.extend(first)
+            for pid in first:
+                os.kill(pid, signal.SIGKILL)
+
+    store = ResultStore(tmp_path)
+    report = run_sweep(loaded, workload, SPECS, BUDGETS, kill_on_first_shard,
+                       sharded_rows(config, source, workload, store))
+    assert killed and set(pool.pids()).isdisjoint(first)  # Ray restarted both workers
+    assert report.shard_run.shards == 6 and report.shard_run.shards_reused == 0
+    assert [item["id"] for item in report.items] == [f"p{i}" for i in range(6)]
+    for point in report.points:
+        assert [o.item for o in point.outcomes] == [f"p{i}" for i in range(6)]
+    here = run_sweep(loaded, workload, SPECS, BUDGETS)
+    assert without_timing(report.to_json()) == without_timing(here.to_json())
+
+
+def test_a_worker_without_the_model_is_named(cluster):
+    release_workers()
+    with pytest.raises(ClusterError, match=r"worker 127\.0\.0\.1 \(pid \d+\) cannot load kvviz-test/no-such-model"):
+        WorkerPool(ClusterConfig(workers=1), ModelSource("kvviz-test/no-such-model", "cpu"))
+
+
+def test_with_a_ray_address_the_trade_offs_page_sweeps_on_the_cluster(cluster, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("KVVIZ_RAY_ADDRESS", "auto")  # this process's instance answers to auto
+    app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "views" / "8_Trade_offs.py"),
+                            default_timeout=300).run()
+    app.multiselect(key="sweep_families").set_value(["streaming_llm"])
+    app.multiselect(key="sweep_budgets").set_value([0.25])
+    app.selectbox(key="sweep_task").set_value("needle")
+    app.number_input(key="sweep_items").set_value(2)
+    app.run()
+    next(b for b in app.button if b.label == "Run the sweep").click().run()
+    assert not app.exception and not app.error, [str(e.value) for e in app.error]
+    assert "configurations on 2 needle items" in app.success[0].value
+    assert any("Measured on the Ray cluster: 2 shards on 1 Ray worker (auto)" in str(c.value) for c in app.caption)
