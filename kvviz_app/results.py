@@ -52,11 +52,14 @@ def result_for(loaded: LoadedModel, request: RunRequest, start_text: str = "Star
     return found
 
 
-def run_button(label: str, key: str, request: object, *, disabled: bool = False) -> None:
+def run_button(label: str, key: str, request: object, *, disabled: bool = False) -> bool:
     """The page's run button: pressing it keeps ``request`` (what the page would run now) under ``key`` in the
-    session, where :func:`pressed` finds it on this and every later rerun until the button is pressed again."""
+    session, where :func:`pressed` finds it on this and every later rerun until the button is pressed again.
+    Returns whether it was pressed on this run (a page may keep more beside the request)."""
     if st.button(label, type="primary", disabled=disabled):
         st.session_state[key] = request
+        return True
+    return False
 
 
 def pressed(key: str, waiting: str, current: object | None = None) -> object:

@@ -16,7 +16,7 @@ from kvviz.studies.workloads import DEFAULT_ITEMS, SWEEP_TASKS, PromptWorkload, 
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import prompt_set_input
-from kvviz_app.results import run_pressed
+from kvviz_app.results import run_button, run_pressed
 from kvviz_app.tradeoffs import compare_link, families_from_link, item_link, sweep_cluster
 from kvviz_app.url import Read, choice_setting, choices_setting, flag_setting, linked, number_setting, share_settings
 
@@ -141,14 +141,14 @@ try:
 except ValueError as error:
     problem = str(error)
     st.error(problem)
-if st.button("Run the sweep", type="primary", disabled=problem is not None or workload is None):
-    st.session_state["sweep_request"] = SweepRequest(workload, tuple(specs), tuple(sorted(budgets)),
-                                                     sweep_cluster(limits.ray_address))
+asked = (None if problem is not None or workload is None
+         else SweepRequest(workload, tuple(specs), tuple(sorted(budgets)), sweep_cluster(limits.ray_address)))
+if run_button("Run the sweep", "sweep_request", asked, disabled=asked is None):
     st.session_state["sweep_prompt"] = (prompt_text, chat)
 
 request, report = run_pressed(
     loaded, "sweep_request", "Choose the workload, the families and the budgets, then press **Run the sweep**.",
-    "Sizing every family…")
+    "Sizing every family…", current=asked)
 
 count = len(report.points)
 st.success(f"{count} configuration{'s' if count != 1 else ''} on {report.workload} in {report.seconds:.1f} s.")
