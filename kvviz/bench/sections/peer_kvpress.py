@@ -28,8 +28,9 @@ def peer_kvpress(run: BenchRun) -> Section:
     keep = n // 2
     section.add("prompt_tokens", n)
     for name, press_name in pairs:
-        spec = budget_spec(name, keep, n) + {"streaming_llm": ",rerotate=0",
-                                              "snapkv": ",window=64,kernel=5,pool=avg"}[name]
+        sized = budget_spec(name, keep, n)  # bare ("snapkv") where the budget is the method's default
+        extra = {"streaming_llm": "rerotate=0", "snapkv": "window=64,kernel=5,pool=avg"}[name]
+        spec = f"{sized}{',' if ':' in sized else ':'}{extra}"
         stack = parse_spec(spec)
         press = getattr(kvpress, press_name)(compression_ratio=0.5)
 
