@@ -6,22 +6,16 @@ from urllib.parse import parse_qs
 
 from streamlit.testing.v1 import AppTest
 
-PAGE = Path(__file__).resolve().parents[1] / "views" / "8_Trade_offs.py"
+from tests.tradeoffs_page import opened, sweep
 
 
 def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
-    app = AppTest.from_file(str(PAGE), default_timeout=300).run()
+    app = opened()
     assert not app.exception and not app.error
     assert app.radio(key="sweep_workload").value == "task" and app.number_input(key="sweep_items").value == 32
     families = app.multiselect(key="sweep_families")
     assert "snapkv" in families.value and any("sweeps budget" in o for o in families.options)
-    families.set_value(["streaming_llm"])
-    app.multiselect(key="sweep_budgets").set_value([0.125])
-    app.selectbox(key="sweep_task").set_value("needle")
-    app.number_input(key="sweep_items").set_value(3)
-    app.run()
-    next(b for b in app.button if b.label == "Run the sweep").click().run()
-    assert not app.exception and not app.error, [str(e.value) for e in app.error]
+    sweep(app, "streaming_llm", 0.125, "needle", 3)
     assert "configurations on 3 needle items" in app.success[0].value
     assert any("Wilson score interval" in str(c.value) for c in app.caption)
     chart = app.get("plotly_chart")[0].proto.spec
@@ -47,7 +41,7 @@ def test_a_failed_item_opens_in_compare_with_its_own_prompt():
 
 
 def test_fixed_configurations_alone_are_refused_before_running():
-    app = AppTest.from_file(str(PAGE), default_timeout=300).run()
+    app = opened()
     app.multiselect(key="sweep_families").set_value(["fp8"])
     app.run()
     assert "nothing to sweep: fp8 has no free parameter" in app.error[0].value

@@ -5,7 +5,6 @@ seconds); the workers load a tiny random-weight model saved to a folder."""
 import json
 import os
 import signal
-from pathlib import Path
 
 import pytest
 
@@ -117,17 +116,9 @@ def test_a_worker_without_the_model_is_named(cluster):
 
 
 def test_with_a_ray_address_the_trade_offs_page_sweeps_on_the_cluster(cluster, monkeypatch):
-    from streamlit.testing.v1 import AppTest
+    from tests.tradeoffs_page import opened, sweep
 
     monkeypatch.setenv("KVVIZ_RAY_ADDRESS", "auto")  # this process's instance answers to auto
-    app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "views" / "8_Trade_offs.py"),
-                            default_timeout=300).run()
-    app.multiselect(key="sweep_families").set_value(["streaming_llm"])
-    app.multiselect(key="sweep_budgets").set_value([0.25])
-    app.selectbox(key="sweep_task").set_value("needle")
-    app.number_input(key="sweep_items").set_value(2)
-    app.run()
-    next(b for b in app.button if b.label == "Run the sweep").click().run()
-    assert not app.exception and not app.error, [str(e.value) for e in app.error]
+    app = sweep(opened(), "streaming_llm", 0.25, "needle", 2)
     assert "configurations on 2 needle items" in app.success[0].value
     assert any("Measured on the Ray cluster: 2 shards on 1 Ray worker (auto)" in str(c.value) for c in app.caption)
