@@ -1,11 +1,13 @@
 """A fair run queue for many users sharing one model on one device.
 
-Page loads and cached results never touch it; only runs that need the model do. ``together`` worker threads run up to
-that many runs at once, at most one per user, as the engine's admission policy admits them
-(:mod:`kvviz.runtime.admission`: on a CPU short comparisons start together and a long upload's comparison alone, so
-decoding together does not make the class wait longer than one at a time): comparisons among them decode in one
-running batch, one forward per step for all their rows (the engine's :mod:`kvviz.runtime.together`; the queue only
-admits runs, the engine batches them), while other runs on the model take its lock in turn. Order is round-robin
+Page loads and cached results never touch it; only runs that need the model do. ``together`` worker threads start up to
+that many runs at once, each run on a thread of its own that ends with it (:mod:`kvviz.runtime.threads`: a thread
+that computed and lives on leaves the next run a third less of a CPU's cores), at most one per user, as the engine's
+admission policy admits them (:mod:`kvviz.runtime.admission`: on a CPU short comparisons start together and a long
+upload's comparison alone, so decoding together does not make the class wait longer than one at a time): comparisons
+among them decode in one running batch, one forward per step for all their rows (the engine's
+:mod:`kvviz.runtime.together`; the queue only admits runs, the engine batches them), while other runs on the model
+take its lock in turn. Order is round-robin
 across users (each user's runs FIFO), so a student who queues five comparisons does not starve the others, and nobody
 waits behind more than one run of each other user; the next run in that order that the policy does not admit yet waits
 for runs in progress to finish, and nobody overtakes it. Users see their position, can cancel (queued runs leave at
@@ -15,6 +17,7 @@ stopped polling (the browser went away) is dropped, queued or running.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -25,6 +28,7 @@ from typing import Any
 
 from kvviz.runtime.admission import ADMISSION, Admission, RunSize
 from kvviz.runtime.progress import Progress
+from kvviz.runtime.threads import on_own_thread
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED, ABANDONED = "queued", "running", "done", "failed", "cancelled", "abandoned"
 FINISHED = (DONE, FAILED, CANCELLED, ABANDONED)
@@ -189,7 +193,7 @@ class RunQueue:
                 ticket.fraction, ticket.message = fraction, message
 
             try:
-                result = ticket.job(report)
+                result = on_own_thread(functools.partial(ticket.job, report), f"kvviz-run-{ticket.number}")
             except Cancelled:
                 if ticket.cancel_requested:
                     self._finish(ticket, CANCELLED, error="cancelled")

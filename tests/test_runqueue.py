@@ -180,3 +180,16 @@ def test_the_queue_starts_runs_as_the_admission_policy_admits_them():
     for ticket in tickets:
         assert ticket.done.wait(5) and ticket.status == DONE
     assert running[2:] == [{"upload"}, {"s3"}], "the upload alone, then the short run behind it"
+
+
+def test_each_run_computes_on_a_thread_of_its_own_that_ends_with_it():
+    """A thread that computed and lived on would keep its OpenMP pool and slow every later run (kvviz.runtime.threads):
+    the queue's long-lived workers never run a job themselves."""
+    queue = RunQueue(together=2)
+    ran_on: list[threading.Thread] = []
+    tickets = [queue.submit(user, lambda progress: ran_on.append(threading.current_thread())) for user in "abc"]
+    for ticket in tickets:
+        assert ticket.done.wait(5) and ticket.status == DONE
+    workers = {thread for thread in threading.enumerate() if thread.name.startswith("kvviz-run-queue-")}
+    assert len(set(ran_on)) == 3 and not set(ran_on) & workers
+    assert not any(thread.is_alive() for thread in ran_on)

@@ -48,6 +48,7 @@ class Sizes:
     needle_tokens: int = 12
     app_prompt: int = 2022  # a 2K upload's comparison (app, classroom): its upload, six configurations
     app_tokens: int = 32
+    app_runs: int = 3  # fresh comparisons in the app section, each between two engine runs (after one untimed)
     app_walks: int = 5  # stored-result walks in the app section, each from a new browser session
     lessons: bool = True  # time every lesson step (the app and classroom sections)
     class_students: int = 4  # the classroom section's class of 2K uploads, served both ways (each ~20 s on the CPU)
@@ -70,8 +71,8 @@ SIZES: dict[str, Sizes] = {
                    capture_lengths=(64, 128), decode_prompt=96, decode_budget=32, decode_steps=2,
                    bookkeeping_context=64, peer_prompt=160, ppl_tokens=16, needle_lengths=(120,),
                    needle_depths=(0.5,), needle_tokens=3, batched_prompt=96, batched_tokens=4, app_prompt=64,
-                   app_tokens=2, app_walks=1, lessons=False, class_students=6, prefix_preamble=96, prefix_question=8,
-                   repeats=1,
+                   app_tokens=2, app_runs=1, app_walks=1, lessons=False, class_students=6, prefix_preamble=96,
+                   prefix_question=8, repeats=1,
                    sweep_items=2, sweep_task_length=160, sweep_sample_items=1, sweep_play_tokens=24,
                    sweep_ray_items=2, sweep_ray_task_length=160),
     "gpu": Sizes(compare_prompt=4096, compare_tokens=32, generate_prompt=4096, generate_tokens=128,

@@ -6,9 +6,11 @@ arithmetic (on a CPU, rows attending over long caches: attention and each method
 run admitted beside others adds its whole work to every step of theirs, and its prefill runs between their steps:
 nobody's result comes before the end. Measured on the 2-core CPU (``python -m kvviz bench --sections classroom``,
 docs/performance.md): 30 short comparisons (two configurations on a ~30-token prompt, some 80 positions each) all done
-in 0.29-0.36x of the time one at a time, eight decoding together, and every wait shorter; four comparisons of six
+in 0.48x of the time one at a time, eight decoding together, and every wait shorter (0.29-0.37x while runs one at a
+time still lost a third of the cores to OpenMP's pools, :mod:`kvviz.runtime.threads`); four comparisons of six
 configurations on 2K-token uploads (12K positions each) all done in 0.78x together, but the median student waited 66 s
-against 41 s one at a time.
+against 41 s one at a time. With four students, pairs could keep the median and the 95th percentile only if two
+uploads together took at most 1.5 times one alone; the linear layers are the only part of a step a batch shares.
 
 So a run joins the runs in progress only while the positions their rows attend over at each step (each run's prompt
 tokens times its configurations) stay within its device's bound. On a CPU that bound is 2,048 positions: a decode step

@@ -3,7 +3,9 @@
 What a student feels: the app is started as ``make run`` starts it (its own process, the baked config, an empty
 result store), Compare is driven through the real page (URL settings, file upload, the Run button) and timed from
 the click until the results are on screen; the same comparison is timed in this process with the engine alone.
-Then the same result opened again from a new browser session (cached), and every lesson step cold and warm.
+The server's first comparison is reported on its own; then several passages of the play, each timed through the page
+between two engine runs on the same machine (their median ratio), the same result opened again from new browser
+sessions (cached), and every lesson step cold and warm.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from kvviz.engine.session import compare, encode_prompt
 from kvviz.runtime.models import LoadedModel
 
 
-def upload_prompt_text(loaded: LoadedModel, tokens: int) -> str:
-    """Hamlet (or kvviz's filler) cut so the chat-wrapped prompt is about ``tokens`` tokens, ending with a question."""
+def upload_prompt_text(loaded: LoadedModel, tokens: int, passage: int = 0) -> str:
+    """Hamlet (or kvviz's filler) cut so the chat-wrapped prompt is about ``tokens`` tokens, ending with a question;
+    ``passage`` k is the k-th such stretch of the play, so no two passages share a prefix the server could reuse."""
     question = "\n\nIn one sentence, what happens in the passage above?"
-    body = prompt_tokens(loaded, tokens)
-    return loaded.tokenizer.decode(body[: max(8, tokens - 40)], skip_special_tokens=True) + question
+    length = max(8, tokens - 40)
+    body = prompt_tokens(loaded, length * (passage + 1))[length * passage:]
+    return loaded.tokenizer.decode(body, skip_special_tokens=True) + question
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,33 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     server_cpu, browser_cpu = served.cpu_seconds() - cpu, browser_cpu_seconds() - browser_cpu
     settle(page, timeout)
     return BrowserRun(shown, drawn, server_cpu, prefill, browser_cpu)
+
+
+def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine: list[tuple[float, float]],
+                       engine_first: tuple[float, float], app_first: BrowserRun, prompt: int, specs: list[str],
+                       new_tokens: int) -> None:
+    """Each served comparison against the engine runs just before and after it (seconds, then prefill), the median
+    of those ratios; and the server's first comparison against the engine's first."""
+    pairs = list(zip(engine, engine[1:], strict=False))  # the engine runs before and after each served one
+    around = [statistics.mean(seconds for seconds, _ in pair) for pair in pairs]
+    prefill_around = [statistics.mean(prefill for _, prefill in pair) for pair in pairs]
+    ratios = [run.shown / seconds for run, seconds in zip(served, around, strict=True)]
+    prefill_ratios = [run.prefill / seconds for run, seconds in zip(served, prefill_around, strict=True)]
+    what = (f"{len(specs)} configurations, {prompt} prompt tokens, {new_tokens} new tokens; both prefill fresh and "
+            "pad rows alike (compare's running batch)")
+    section.add("app_vs_engine", statistics.median(ratios), "x", "<= 1.15",
+                note=f"median of {len(served)} passages, each from the click until its results show against the "
+                     f"engine runs just before and after it, on a server that has run once: "
+                     + "; ".join(f"app {run.shown:.1f} s / engine {seconds:.1f} s" for run, seconds
+                                 in zip(served, around, strict=True)) + f"; {what}")
+    section.add("app_prefill_vs_engine", statistics.median(prefill_ratios), "x",
+                note="the prefill each page reports against the engine's around it ("
+                     + ", ".join(f"{r:.2f}x" for r in prefill_ratios) + "); chromium, on the same cores, used "
+                     + " / ".join(f"{run.browser_cpu:.1f}" for run in served) + " CPU s over the app's runs")
+    section.add("app_vs_engine_first_run", app_first.shown / engine_first[0], "x",
+                note=f"the served app's first comparison, in its new process ({app_first.shown:.1f} s, prefill "
+                     f"{app_first.prefill:.2f} s), against the engine's first in this section "
+                     f"({engine_first[0]:.1f} s, prefill {engine_first[1]:.2f} s)")
 
 
 # A step's run is on screen once its closing text is: the "Notice:" box (steps 1-5) or the closing caption (step 6).
@@ -149,48 +180,51 @@ def app(run: BenchRun) -> Section:
         section.skipped = "the playwright package is not installed"
         return section
 
-    text = upload_prompt_text(loaded, sizes.app_prompt)
-    ids = encode_prompt(loaded.tokenizer, text, chat=True)
+    passages = [upload_prompt_text(loaded, sizes.app_prompt, k) for k in range(sizes.app_runs + 1)]
+    prompts = [encode_prompt(loaded.tokenizer, text, chat=True) for text in passages]
     specs = list(app_specs(sizes.app_prompt))
     timeout = 1800.0
-    engine, engine_prefill = [], []
 
-    def engine_run() -> None:
+    def engine_run(passage: int) -> tuple[float, float]:
+        """The passage's comparison through the engine in this process: its seconds and its prefill's."""
         started = time.perf_counter()
-        engine_prefill.append(compare(loaded, ids, specs, sizes.app_tokens, reuse_prefix=False).prefill_seconds)
-        engine.append(time.perf_counter() - started)
+        prefill = compare(loaded, prompts[passage], specs, sizes.app_tokens, reuse_prefix=False).prefill_seconds
+        return time.perf_counter() - started, prefill
 
     with tempfile.TemporaryDirectory(prefix="kvviz-bench-app-") as folder:
         work = Path(folder)
-        upload = work / "prompt.txt"
-        upload.write_text(text, encoding="utf-8")
+        uploads = [work / f"passage-{k}.txt" for k in range(len(passages))]
+        for upload, text in zip(uploads, passages, strict=True):
+            upload.write_text(text, encoding="utf-8")
         query = urllib.parse.urlencode([("m", s) for s in specs] + [("n", sizes.app_tokens), ("chat", 1)])
         env = {"KVVIZ_RESULTS": str(work / "results"), "KVVIZ_MODEL": loaded.name, "KVVIZ_DEVICE": loaded.device}
-        log(f"  engine: {len(specs)} configurations, {len(ids)} prompt tokens, {sizes.app_tokens} new tokens")
-        engine_run()
+        log(f"  engine: {len(specs)} configurations, {len(prompts[0])} prompt tokens, {sizes.app_tokens} new tokens")
+        engine_first = engine_run(0)
         with served_app(work / "server.log", env) as served, sync_playwright() as playwright:
-            base = served.url
             browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+
+            def app_run(passage: int) -> BrowserRun:
+                """One student's visit: a new tab, closed afterwards (a class's other tabs are on other machines)."""
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                try:
+                    return _compare_in_browser(page, f"{served.url}/Compare?{query}", uploads[passage],
+                                               len(prompts[passage]), timeout, served)
+                finally:
+                    page.close()
+
             try:
-                log("  app: the same comparison through the Compare page")
-                served_run = _compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
-                                                 f"{base}/Compare?{query}", upload, len(ids), timeout, served)
-                app_seconds = served_run.shown
-                engine_run()  # engine timed before and after the app, so a slow spell hits both sides
-                log(f"  app: the stored result, opened from {sizes.app_walks} new sessions")
-                cached = [_compare_in_browser(browser.new_page(viewport={"width": 1400, "height": 1000}),
-                                              f"{base}/Compare?{query}", upload, len(ids), timeout, served)
-                          for _ in range(sizes.app_walks)]
-                section.add("app_vs_engine", app_seconds / statistics.mean(engine), "x", "<= 1.15",
-                            note=f"app {app_seconds:.1f} s, engine {statistics.mean(engine):.1f} s "
-                                 f"({' / '.join(f'{e:.1f}' for e in engine)}); {len(specs)} configurations, "
-                                 f"{len(ids)} prompt tokens, {sizes.app_tokens} new tokens; both prefill fresh "
-                                 "(the engine's second run would otherwise reuse its first run's prefix) and pad "
-                                 "rows alike (compare's running batch)")
-                section.add("app_prefill_vs_engine", served_run.prefill / statistics.mean(engine_prefill), "x",
-                            note=f"the prefill the page reports, {served_run.prefill:.2f} s, against the engine's "
-                                 f"{' / '.join(f'{p:.2f}' for p in engine_prefill)} s; chromium, on the same cores, "
-                                 f"used {served_run.browser_cpu:.1f} CPU s over the app's run")
+                log("  app: the same comparison through the Compare page, the server's first run")
+                app_first = app_run(0)
+                log(f"  app against engine: {sizes.app_runs} passage(s) of the play, each between two engine runs")
+                engine = [engine_run(1)]
+                served_runs = []
+                for passage in range(1, sizes.app_runs + 1):  # a slow spell of the machine hits both sides
+                    served_runs.append(app_run(passage))
+                    engine.append(engine_run(min(passage + 1, sizes.app_runs)))
+                _add_app_vs_engine(section, served_runs, engine, engine_first, app_first, len(prompts[0]), specs,
+                                   sizes.app_tokens)
+                log(f"  app: the stored result, opened from {sizes.app_walks} new session(s)")
+                cached = [app_run(1) for _ in range(sizes.app_walks)]
                 drawn = [walk.drawn for walk in cached]
                 section.add("cached_rerender", statistics.median(drawn), "s", "<= 1.5",
                             note=f"median of {sizes.app_walks} new sessions, from the click until the page last "
@@ -202,7 +236,7 @@ def app(run: BenchRun) -> Section:
                                            "the script, sending the page, and Streamlit's collection after the "
                                            "script")
                 if sizes.lessons:
-                    _time_lessons(section, browser, base, timeout, log)
+                    _time_lessons(section, browser, served.url, timeout, log)
             finally:
                 browser.close()
     return section

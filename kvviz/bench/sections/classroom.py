@@ -54,7 +54,18 @@ def serve_class(loaded: LoadedModel, requests: list[RunRequest], admission: Admi
     """Every request submitted at once and served as the app's queue serves a class: in submission order, each run
     started once ``admission`` admits it beside the runs in progress, comparisons among them decoding in one batch.
     Returns each request's seconds from the submission until its result, and the most runs that were in progress at
-    once."""
+    once.
+
+    One at a time, the requests run in turn on this thread: the server runs each on a thread of its own while no other
+    thread holds a pool of CPU helpers (:mod:`kvviz.runtime.threads`), and this thread, which has computed before,
+    holds one, so a run on another thread would get a third less of a CPU's cores than it gets in the server."""
+    if admission.most_runs == 1:
+        started = time.perf_counter()
+        until_result = []
+        for request in requests:
+            request.compute(loaded)
+            until_result.append(time.perf_counter() - started)
+        return until_result, 1
     arrivals, ready = Arrivals(admission), threading.Event()
     tickets = [arrivals.arrive(request.run_size(loaded)) for request in requests]
     until_result = [0.0] * len(requests)
