@@ -1,7 +1,11 @@
 """The shared run queue: fair order, visible positions, cancel, abandoned pages, failures that don't stop it."""
 
+import os
 import threading
 import time
+
+import pytest
+import torch
 
 from kvviz.runtime.admission import RunSize
 from kvviz_app.runqueue import ABANDONED, CANCELLED, DONE, FAILED, RunQueue
@@ -193,3 +197,25 @@ def test_each_run_computes_on_a_thread_of_its_own_that_ends_with_it():
     workers = {thread for thread in threading.enumerate() if thread.name.startswith("kvviz-run-queue-")}
     assert len(set(ran_on)) == 3 and not set(ran_on) & workers
     assert not any(thread.is_alive() for thread in ran_on)
+
+
+def _threads_of_this_process() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2,
+                    reason="needs Linux and two torch threads (OpenMP helpers)")
+def test_a_finished_runs_cpu_helper_threads_are_gone():
+    """The helpers OpenMP started for a run's matrix work leave with the run's thread, so the next run is not left
+    with a third fewer cores (kvviz.runtime.threads)."""
+    queue = RunQueue(together=1)
+    warm = queue.submit("a", lambda progress: None)  # the queue's own thread exists before the count
+    assert warm.done.wait(5)
+    before = _threads_of_this_process()
+    values = torch.randn(1 << 22)
+    ticket = queue.submit("a", lambda progress: [torch.exp(values) for _ in range(20)])
+    assert ticket.done.wait(30) and ticket.status == DONE
+    deadline = time.monotonic() + 5
+    while _threads_of_this_process() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _threads_of_this_process() <= before
