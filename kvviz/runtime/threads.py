@@ -6,8 +6,8 @@ more threads than the machine has CPUs it stops letting helpers spin between ker
 helpers to wake. A server whose long-lived workers take turns on the model ends up there after its second run.
 Measured on the 2-core CPU (a 1K comparison of six configurations, 16 tokens): 5.8-6.5 s on two cores on threads that
 each exit after their run, 9.5 s on 1.3 cores on the same kind of thread while another thread that had computed
-stayed alive; in the served app a 2K upload's comparison took 13.7 s on the server's first worker and 19-20 s on
-the later ones.
+stayed alive; in the served app (sampled with py-spy) a 2K upload's comparison took 17.1 s on 1.7 cores on the
+server's first worker and 19.9-20.6 s on 1.1 cores on the later ones.
 
 So a run that uses the model gets a thread of its own that exits when the run ends (:func:`on_own_thread`): between
 runs no thread holds a pool, and one run at a time computes on both cores. Runs that decode together still each have
