@@ -78,21 +78,23 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     return BrowserRun(shown, drawn, server_cpu, prefill, browser_cpu)
 
 
-def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine: list[tuple[float, float]],
-                       engine_first: tuple[float, float], app_first: BrowserRun, prompt: int, specs: list[str],
+EngineRun = tuple[float, float]  # an engine comparison's seconds, and its prefill's
+
+
+def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine: list[tuple[EngineRun, EngineRun]],
+                       engine_first: EngineRun, app_first: BrowserRun, prompt: int, specs: list[str],
                        new_tokens: int) -> None:
-    """Each served comparison against the engine runs just before and after it (seconds, then prefill), the median
-    of those ratios; and the server's first comparison against the engine's first."""
-    pairs = list(zip(engine, engine[1:], strict=False))  # the engine runs before and after each served one
-    around = [statistics.mean(seconds for seconds, _ in pair) for pair in pairs]
-    prefill_around = [statistics.mean(prefill for _, prefill in pair) for pair in pairs]
+    """Each served comparison against the engine's runs of the same request (passage) just before and after it, the
+    median of those ratios; and the server's first comparison against the engine's first."""
+    around = [statistics.mean(seconds for seconds, _ in pair) for pair in engine]
+    prefill_around = [statistics.mean(prefill for _, prefill in pair) for pair in engine]
     ratios = [run.shown / seconds for run, seconds in zip(served, around, strict=True)]
     prefill_ratios = [run.prefill / seconds for run, seconds in zip(served, prefill_around, strict=True)]
     what = (f"{len(specs)} configurations, {prompt} prompt tokens, {new_tokens} new tokens; both prefill fresh and "
             "pad rows alike (compare's running batch)")
     section.add("app_vs_engine", statistics.median(ratios), "x", "<= 1.15",
                 note=f"median of {len(served)} passages, each from the click until its results show against the "
-                     f"engine runs just before and after it, on a server that has run once: "
+                     f"engine's runs of the same passage just before and after it, on a server that has run once: "
                      + "; ".join(f"app {run.shown:.1f} s / engine {seconds:.1f} s" for run, seconds
                                  in zip(served, around, strict=True)) + f"; {what}")
     section.add("app_prefill_vs_engine", statistics.median(prefill_ratios), "x",
@@ -185,7 +187,7 @@ def app(run: BenchRun) -> Section:
     specs = list(app_specs(sizes.app_prompt))
     timeout = 1800.0
 
-    def engine_run(passage: int) -> tuple[float, float]:
+    def engine_run(passage: int) -> EngineRun:
         """The passage's comparison through the engine in this process: its seconds and its prefill's."""
         started = time.perf_counter()
         prefill = compare(loaded, prompts[passage], specs, sizes.app_tokens, reuse_prefix=False).prefill_seconds
@@ -216,11 +218,11 @@ def app(run: BenchRun) -> Section:
                 log("  app: the same comparison through the Compare page, the server's first run")
                 app_first = app_run(0)
                 log(f"  app against engine: {sizes.app_runs} passage(s) of the play, each between two engine runs")
-                engine = [engine_run(1)]
-                served_runs = []
+                served_runs, engine = [], []
                 for passage in range(1, sizes.app_runs + 1):  # a slow spell of the machine hits both sides
+                    before = engine_run(passage)
                     served_runs.append(app_run(passage))
-                    engine.append(engine_run(min(passage + 1, sizes.app_runs)))
+                    engine.append((before, engine_run(passage)))
                 _add_app_vs_engine(section, served_runs, engine, engine_first, app_first, len(prompts[0]), specs,
                                    sizes.app_tokens)
                 log(f"  app: the stored result, opened from {sizes.app_walks} new session(s)")
