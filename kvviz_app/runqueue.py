@@ -7,12 +7,12 @@ admission policy admits them (:mod:`kvviz.runtime.admission`: on a CPU short com
 upload's comparison alone, so decoding together does not make the class wait longer than one at a time): comparisons
 among them decode in one running batch, one forward per step for all their rows (the engine's
 :mod:`kvviz.runtime.together`; the queue only admits runs, the engine batches them), while other runs on the model
-take its lock in turn. Order is round-robin
-across users (each user's runs FIFO), so a student who queues five comparisons does not starve the others, and nobody
-waits behind more than one run of each other user; the next run in that order that the policy does not admit yet waits
-for runs in progress to finish, and nobody overtakes it. Users see their position, can cancel (queued runs leave at
-once, a running one stops at its next progress report, which in a batch is its next decode step), and a run whose page
-stopped polling (the browser went away) is dropped, queued or running.
+take its lock in turn. Order is round-robin across users (each user's runs FIFO), so a student who queues five
+comparisons does not starve the others, and nobody waits behind more than one run of each other user; the next run in
+that order that the policy does not admit yet waits for runs in progress to finish, and nobody overtakes it. Users see
+their position, can cancel (queued runs leave at once, a running one stops at its next progress report, which in a
+batch is its next decode step), and a run whose page stopped polling (the browser went away) is dropped, queued or
+running.
 """
 
 from __future__ import annotations

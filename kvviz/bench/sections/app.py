@@ -17,6 +17,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from kvviz.bench.browser import (
     CHROMIUM_ARGS,
@@ -78,16 +79,20 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     return BrowserRun(shown, drawn, server_cpu, prefill, browser_cpu)
 
 
-EngineRun = tuple[float, float]  # an engine comparison's seconds, and its prefill's
+class EngineRun(NamedTuple):
+    """One comparison through the engine in the bench's process: its seconds, and its prefill's."""
+
+    seconds: float
+    prefill: float
 
 
-def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine: list[tuple[EngineRun, EngineRun]],
+def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine_around: list[tuple[EngineRun, EngineRun]],
                        engine_first: EngineRun, app_first: BrowserRun, prompt: int, specs: list[str],
                        new_tokens: int) -> None:
     """Each served comparison against the engine's runs of the same request (passage) just before and after it, the
     median of those ratios; and the server's first comparison against the engine's first."""
-    around = [statistics.mean(seconds for seconds, _ in pair) for pair in engine]
-    prefill_around = [statistics.mean(prefill for _, prefill in pair) for pair in engine]
+    around = [statistics.mean(run.seconds for run in pair) for pair in engine_around]
+    prefill_around = [statistics.mean(run.prefill for run in pair) for pair in engine_around]
     ratios = [run.shown / seconds for run, seconds in zip(served, around, strict=True)]
     prefill_ratios = [run.prefill / seconds for run, seconds in zip(served, prefill_around, strict=True)]
     what = (f"{len(specs)} configurations, {prompt} prompt tokens, {new_tokens} new tokens; both prefill fresh and "
@@ -101,10 +106,10 @@ def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine: list[
                 note="the prefill each page reports against the engine's around it ("
                      + ", ".join(f"{r:.2f}x" for r in prefill_ratios) + "); chromium, on the same cores, used "
                      + " / ".join(f"{run.browser_cpu:.1f}" for run in served) + " CPU s over the app's runs")
-    section.add("app_vs_engine_first_run", app_first.shown / engine_first[0], "x",
+    section.add("app_vs_engine_first_run", app_first.shown / engine_first.seconds, "x",
                 note=f"the served app's first comparison, in its new process ({app_first.shown:.1f} s, prefill "
                      f"{app_first.prefill:.2f} s), against the engine's first in this section "
-                     f"({engine_first[0]:.1f} s, prefill {engine_first[1]:.2f} s)")
+                     f"({engine_first.seconds:.1f} s, prefill {engine_first.prefill:.2f} s)")
 
 
 # A step's run is on screen once its closing text is: the "Notice:" box (steps 1-5) or the closing caption (step 6).
@@ -188,10 +193,10 @@ def app(run: BenchRun) -> Section:
     timeout = 1800.0
 
     def engine_run(passage: int) -> EngineRun:
-        """The passage's comparison through the engine in this process: its seconds and its prefill's."""
+        """The passage's comparison through the engine in this process, prefilled fresh like the server's."""
         started = time.perf_counter()
         prefill = compare(loaded, prompts[passage], specs, sizes.app_tokens, reuse_prefix=False).prefill_seconds
-        return time.perf_counter() - started, prefill
+        return EngineRun(time.perf_counter() - started, prefill)
 
     with tempfile.TemporaryDirectory(prefix="kvviz-bench-app-") as folder:
         work = Path(folder)
@@ -218,12 +223,12 @@ def app(run: BenchRun) -> Section:
                 log("  app: the same comparison through the Compare page, the server's first run")
                 app_first = app_run(0)
                 log(f"  app against engine: {sizes.app_runs} passage(s) of the play, each between two engine runs")
-                served_runs, engine = [], []
+                served_runs, engine_around = [], []
                 for passage in range(1, sizes.app_runs + 1):  # a slow spell of the machine hits both sides
                     before = engine_run(passage)
                     served_runs.append(app_run(passage))
-                    engine.append((before, engine_run(passage)))
-                _add_app_vs_engine(section, served_runs, engine, engine_first, app_first, len(prompts[0]), specs,
+                    engine_around.append((before, engine_run(passage)))
+                _add_app_vs_engine(section, served_runs, engine_around, engine_first, app_first, len(prompts[0]), specs,
                                    sizes.app_tokens)
                 log(f"  app: the stored result, opened from {sizes.app_walks} new session(s)")
                 cached = [app_run(1) for _ in range(sizes.app_walks)]
