@@ -1,8 +1,11 @@
 """kvviz's entrypoint (`streamlit run app.py`): the navigation menu. Every page is a script under views/ (not pages/:
 Streamlit would also list a pages/ folder on its own, showing a stray "app" entry on deep links)."""
 
+from pathlib import Path
+
 import streamlit as st
 
+st.html(Path(__file__).parent / "assets" / "quiet_runs.css")  # before any page's work: still drawing while runs compute
 st.navigation([
     st.Page("views/0_Home.py", title="Home", icon=":material/home:", default=True),
     st.Page("views/1_Attention.py", title="Attention", icon=":material/visibility:"),

@@ -209,6 +209,11 @@ def test_compare_defaults_evict_quantize_and_depart_from_full(server):
             settle(page)
             assert page.get_by_role("textbox", name="Prompt").input_value().startswith("Every autumn")
             page.get_by_role("button", name="Run comparison").click()
+            running = page.locator('[data-testid="stStatusWidget"]')
+            running.wait_for(timeout=60_000)
+            assert not page.locator('[data-testid="stStatusWidgetRunningIcon"]').is_visible(), "no animated icon"
+            assert running.evaluate("widget => getComputedStyle(widget.firstElementChild, '::before').content") \
+                == '"Running…"'
             page.get_by_text("configurations on").wait_for(timeout=600_000)
             settle(page)
             no_exception(page)

@@ -48,7 +48,7 @@ class Sizes:
     needle_tokens: int = 12
     app_prompt: int = 2022  # a 2K upload's comparison (app, classroom): its upload, six configurations
     app_tokens: int = 32
-    app_runs: int = 3  # fresh comparisons in the app section, each between two engine runs (after one untimed)
+    app_runs: int = 5  # fresh comparisons in the app section, each between two engine runs (after one untimed)
     app_walks: int = 5  # stored-result walks in the app section, each from a new browser session
     lessons: bool = True  # time every lesson step (the app and classroom sections)
     class_students: int = 4  # the classroom section's class of 2K uploads, served both ways (each ~20 s on the CPU)
