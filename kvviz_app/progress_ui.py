@@ -86,15 +86,20 @@ def cancel_run(request_key: str | None) -> None:
     st.session_state[NOTICE_KEY] = "Run cancelled."
 
 
+def show_notice() -> None:
+    """The message the last rerun left for this one ("Run cancelled."), once."""
+    notice = st.session_state.pop(NOTICE_KEY, None)
+    if notice:
+        st.info(notice)
+
+
 def with_progress(compute: Callable[[str, Progress], T], start_text: str, request_key: str | None = None) -> T:
     """Show a progress bar and a Cancel button around a queued computation; stop the page on failure.
 
     ``compute(user, progress)`` reports through ``progress`` (the place in line, then the run's own progress).
     Cancel also forgets the request under ``request_key`` in the session's state.
     """
-    notice = st.session_state.pop(NOTICE_KEY, None)
-    if notice:
-        st.info(notice)
+    show_notice()
     bar = st.progress(0.0, text=start_text)
     cancel = st.empty()
     cancel.button("Cancel run", key=f"cancel_{request_key or start_text}", on_click=cancel_run, args=(request_key,))

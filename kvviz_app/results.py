@@ -14,7 +14,7 @@ import streamlit as st
 from kvviz.runs import ResultStore, RunRequest
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
-from kvviz_app.progress_ui import through_queue, with_progress
+from kvviz_app.progress_ui import show_notice, through_queue, with_progress
 from kvviz_app.recent import recent_results
 
 
@@ -67,6 +67,7 @@ def pressed(key: str, waiting: str, current: object | None = None) -> object:
     the page's settings now ask for something else (``current``), a caption says the results are the last run's."""
     request = st.session_state.get(key)
     if request is None:
+        show_notice()  # a cancelled run forgets its request: say so here, not at the next run
         st.info(waiting)
         st.stop()
     if current is not None and request != current:

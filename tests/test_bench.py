@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kvviz import bench
+from kvviz.bench.browser import chromium_path
 from kvviz.cache import attention
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.stats import StatsRecorder
@@ -36,6 +37,9 @@ def test_quick_bench_reports_every_section(real_model):
             "upload_wait_p50_together_vs_one_at_a_time", "upload_together_wait_p95",
             "upload_one_at_a_time_wait_p95"} <= figures["classroom"], "both classes served both ways"
     assert {"floor_seconds", "batched_decode_vs_floor", "same_tokens"} <= figures["batched_compare"]
+    if chromium_path() is not None:  # the app section runs where chromium is
+        assert {"cached_rerender", "cached_rerender_server_seconds",
+                "cached_rerender_server_seconds_first_visit"} <= figures["app"], "new browsers and a returning one"
     assert all("load_average" in names for names in figures.values()), "each section says how busy the machine was"
     by_name = {s.name: {f.name: f for f in s.figures} for s in report.sections}
     assert by_name["shared_prefill"]["same_tokens_as_independent"].passed

@@ -209,11 +209,8 @@ def test_compare_defaults_evict_quantize_and_depart_from_full(server):
             settle(page)
             assert page.get_by_role("textbox", name="Prompt").input_value().startswith("Every autumn")
             page.get_by_role("button", name="Run comparison").click()
-            running = page.locator('[data-testid="stStatusWidget"]')
-            running.wait_for(timeout=60_000)
+            page.locator('[data-testid="stProgress"]').wait_for(timeout=60_000)
             assert not page.locator('[data-testid="stStatusWidgetRunningIcon"]').is_visible(), "no animated icon"
-            assert running.evaluate("widget => getComputedStyle(widget.firstElementChild, '::before').content") \
-                == '"Running…"'
             page.get_by_text("configurations on").wait_for(timeout=600_000)
             settle(page)
             no_exception(page)
@@ -226,6 +223,15 @@ def test_compare_defaults_evict_quantize_and_depart_from_full(server):
             page.locator('[data-testid="stButtonGroup"]').get_by_text("Kept tokens", exact=True).click()
             page.get_by_text("of prompt tokens cached").wait_for(timeout=60_000)
             assert "Nothing was evicted" not in page.inner_text("body")
+
+            page.goto(f"{server}/Compare?m=full&n=200", timeout=120_000)  # a longer run, cancelled while it runs
+            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
+            settle(page)
+            page.get_by_role("button", name="Run comparison").click()
+            page.get_by_role("button", name="Cancel run").click(timeout=60_000)
+            page.get_by_text("Run cancelled.").wait_for(timeout=60_000)
+            assert page.get_by_text("configurations on").count() == 0 and "press Run comparison" in page.inner_text(
+                "body"), "the cancelled run shows nothing and is not asked for again"
         finally:
             browser.close()
 
@@ -346,6 +352,11 @@ def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server)
             page.get_by_role("button", name="Run the sweep").wait_for(timeout=180_000)
             settle(page)
             page.get_by_role("button", name="Run the sweep").click()
+            running = page.locator('[data-testid="stStatusWidget"]')
+            running.wait_for(timeout=60_000)
+            assert not page.locator('[data-testid="stStatusWidgetRunningIcon"]').is_visible(), "no animated icon"
+            assert running.evaluate("widget => getComputedStyle(widget.firstElementChild, '::before').content") \
+                == '"Running…"'
             page.get_by_text("configurations on 32 multikey items").wait_for(timeout=600_000)
             settle(page)
             no_exception(page)

@@ -5,10 +5,12 @@ import json
 import pandas as pd
 import streamlit as st
 
+from kvviz.engine.results import Comparison
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runs import CompareRequest
+from kvviz.runtime.models import LoadedModel
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import encode, item_from_link, method_output, native_report, prompt_input, token_texts
@@ -78,53 +80,12 @@ ids = item[0] if item is not None else encode(loaded, text, chat, int(max_new))
 if grid.blocked():
     st.warning(grid.blocked())
 asked = None if ids is None else CompareRequest(tuple(ids), tuple(valid), int(max_new))
-run_button("Run comparison", "compare_request", asked, disabled=asked is None or not grid.ready)
-_, comparison = run_pressed(loaded, "compare_request", "Set up the configurations and press **Run comparison**.",
-                            "Starting…", current=asked)
-results = comparison.results
-st.success(f"{plural(len(results), 'configuration')} on {comparison.prompt_tokens} prompt tokens "
-           f"(prefill {comparison.prefill_seconds:.2f} s on {comparison.device}).")
-
-st.subheader("Outputs")
-st.caption("Red marks where an output first departs from the full cache's.")
-columns = st.columns(min(3, len(results)))
-for index, result in enumerate(results):
-    with columns[index % len(columns)]:
-        if method_output(loaded, result) and result.agreement_with_full is not None:
-            st.caption(f"agreement with full {result.agreement_with_full:.0%} · "
-                       f"first divergence {'none' if result.first_divergence is None else result.first_divergence}")
-
-
-table = pd.DataFrame([{
-    "method": r.method,
-    "agreement": r.agreement_with_full,
-    "mean KL": r.mean_kl,
-    "first divergence": r.first_divergence,
-    "KV bytes": r.kv_bytes,
-    "full KV bytes": r.kv_bytes_full,
-    "compression": r.compression,
-    "seconds": round(r.seconds, 3),
-    "error": r.error or "",
-} for r in results])
-st.subheader("Quality and memory")
-st.dataframe(table, hide_index=True, width="stretch", column_config={
-    "agreement": st.column_config.ProgressColumn("agreement", min_value=0.0, max_value=1.0, format="percent"),
-    "compression": st.column_config.NumberColumn("compression", format="%.2fx"),
-})
-
-native = [r for r in results if r.native_report is not None or (r.error and r.method.startswith("kvpress_native"))]
-if native:
-    st.subheader("What the kvpress presses did")
-    st.caption("kvpress_native runs each press in kvpress's own hooks, then matches every row it left to the prompt "
-               "token it came from. Besides dropping rows, a press may change what it keeps:")
-    for result in native:
-        native_report(result)
 
 DIAGNOSTICS = ("Memory", "Divergence", "Quantization error", "Kept tokens")
 NO_DIAGNOSTIC = "none"
 
 
-def memory_view(measured: list) -> None:
+def memory_view(loaded: LoadedModel, measured: list) -> None:
     """Where each configuration's bytes go, what each axis saved, and how the cache grew while decoding."""
     memory = pd.DataFrame([{
         "method": r.method, "codes": r.kv_breakdown.codes, "metadata": r.kv_breakdown.metadata,
@@ -148,7 +109,7 @@ def divergence_view(measured: list) -> None:
     st.plotly_chart(plots.kl_figure(kl), width="stretch")
 
 
-def quantization_view() -> None:
+def quantization_view(comparison: Comparison) -> None:
     """How far the quantized keys and values are from the originals, and why keys are quantized per channel."""
     report = comparison.quantization
     if report is None:
@@ -166,7 +127,7 @@ def quantization_view() -> None:
                "channel sets the step for every channel of the token; quantized per channel, it gets its own scale.")
 
 
-def kept_view(measured: list) -> None:
+def kept_view(loaded: LoadedModel, comparison: Comparison, measured: list) -> None:
     """Which prompt tokens one method still caches in one layer after a chosen decode step."""
     with_ledger = [r for r in measured if r.ledger is not None and bool((r.ledger.evicted_at >= 0).any())]
     if not with_ledger:
@@ -193,30 +154,84 @@ def kept_view(measured: list) -> None:
     st.plotly_chart(plots.kept_heatmap(mask, layer, chosen), width="stretch")
 
 
-# Diagnostics are drawn when a reader asks for one: drawing seven charts and a 2K-token map took the browser 2-3 s on
-# every visit (loading Plotly alone about 0.7 s), for readers who mostly look at the outputs and the table. Each is one
-# click away; a link names the one to open (``show``), and a link naming a kept-token setting opens that one.
-measured = [r for r in results if r.error is None]
-st.subheader("Diagnostics")
-read = read_choice("show", "Kept tokens" if "kept" in st.query_params else NO_DIAGNOSTIC, (NO_DIAGNOSTIC, *DIAGNOSTICS))
-shown_view = linked("compare_show", read, lambda value: st.segmented_control(
-    "Draw", DIAGNOSTICS, default=None if value == NO_DIAGNOSTIC else value, key="compare_show"))
-share_settings(show=shown_view or NO_DIAGNOSTIC)
-if shown_view is None:
-    st.caption("Pick one to draw it: where each configuration's bytes go, its KL from full at every token, how far "
-               "quantized keys and values are from the originals, or which prompt tokens each layer kept.")
-elif shown_view == "Memory":
-    memory_view(measured)
-elif shown_view == "Divergence":
-    divergence_view(measured)
-elif shown_view == "Quantization error":
-    quantization_view()
-else:
-    kept_view(measured)
+def diagnostics_section(loaded: LoadedModel, comparison: Comparison) -> None:
+    """One diagnostic at a time, the one the reader picks (none at first)."""
+    # Diagnostics are drawn when a reader asks for one: drawing seven charts and a 2K-token map took the browser 2-3 s
+    # on every visit (loading Plotly alone about 0.7 s), for readers who mostly look at the outputs and the table. Each
+    # is one click away; a link names the one to open (``show``), and a link naming a kept-token setting opens that one.
+    measured = [r for r in comparison.results if r.error is None]
+    st.subheader("Diagnostics")
+    read = read_choice("show", "Kept tokens" if "kept" in st.query_params else NO_DIAGNOSTIC,
+                       (NO_DIAGNOSTIC, *DIAGNOSTICS))
+    shown_view = linked("compare_show", read, lambda value: st.segmented_control(
+        "Draw", DIAGNOSTICS, default=None if value == NO_DIAGNOSTIC else value, key="compare_show"))
+    share_settings(show=shown_view or NO_DIAGNOSTIC)
+    if shown_view is None:
+        st.caption("Pick one to draw it: where each configuration's bytes go, its KL from full at every token, how far "
+                   "quantized keys and values are from the originals, or which prompt tokens each layer kept.")
+    elif shown_view == "Memory":
+        memory_view(loaded, measured)
+    elif shown_view == "Divergence":
+        divergence_view(measured)
+    elif shown_view == "Quantization error":
+        quantization_view(comparison)
+    else:
+        kept_view(loaded, comparison, measured)
 
-st.subheader("Download")
-left, right = st.columns(2)
-left.download_button("Results as CSV", lambda: table.to_csv(index=False), "kvviz-compare.csv", "text/csv",
-                     on_click="ignore")
-right.download_button("Results as JSON", lambda: json.dumps(comparison.to_json(), indent=1), "kvviz-compare.json",
-                      "application/json", on_click="ignore")
+
+@st.fragment
+def results_section(loaded: LoadedModel, asked: CompareRequest | None, ready: bool) -> None:
+    """The run button and everything a result draws. A fragment: pressing Run, or picking a diagnostic, reruns this
+    part alone, not the prompt and the configuration grid above it (their widgets were most of what a rerun sent)."""
+    run_button("Run comparison", "compare_request", asked, disabled=asked is None or not ready)
+    _, comparison = run_pressed(loaded, "compare_request", "Set up the configurations and press **Run comparison**.",
+                                "Starting…", current=asked)
+    results = comparison.results
+    st.success(f"{plural(len(results), 'configuration')} on {comparison.prompt_tokens} prompt tokens "
+               f"(prefill {comparison.prefill_seconds:.2f} s on {comparison.device}).")
+
+    st.subheader("Outputs")
+    st.caption("Red marks where an output first departs from the full cache's.")
+    columns = st.columns(min(3, len(results)))
+    for index, result in enumerate(results):
+        with columns[index % len(columns)]:
+            if method_output(loaded, result) and result.agreement_with_full is not None:
+                st.caption(f"agreement with full {result.agreement_with_full:.0%} · "
+                           f"first divergence {'none' if result.first_divergence is None else result.first_divergence}")
+
+    table = pd.DataFrame([{
+        "method": r.method,
+        "agreement": r.agreement_with_full,
+        "mean KL": r.mean_kl,
+        "first divergence": r.first_divergence,
+        "KV bytes": r.kv_bytes,
+        "full KV bytes": r.kv_bytes_full,
+        "compression": r.compression,
+        "seconds": round(r.seconds, 3),
+        "error": r.error or "",
+    } for r in results])
+    st.subheader("Quality and memory")
+    st.dataframe(table, hide_index=True, width="stretch", column_config={
+        "agreement": st.column_config.ProgressColumn("agreement", min_value=0.0, max_value=1.0, format="percent"),
+        "compression": st.column_config.NumberColumn("compression", format="%.2fx"),
+    })
+
+    native = [r for r in results if r.native_report is not None or (r.error and r.method.startswith("kvpress_native"))]
+    if native:
+        st.subheader("What the kvpress presses did")
+        st.caption("kvpress_native runs each press in kvpress's own hooks, then matches every row it left to the "
+                   "prompt token it came from. Besides dropping rows, a press may change what it keeps:")
+        for result in native:
+            native_report(result)
+
+    diagnostics_section(loaded, comparison)
+
+    st.subheader("Download")
+    left, right = st.columns(2)
+    left.download_button("Results as CSV", lambda: table.to_csv(index=False), "kvviz-compare.csv", "text/csv",
+                         on_click="ignore")
+    right.download_button("Results as JSON", lambda: json.dumps(comparison.to_json(), indent=1), "kvviz-compare.json",
+                          "application/json", on_click="ignore")
+
+
+results_section(loaded, asked, grid.ready)
