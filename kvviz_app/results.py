@@ -63,8 +63,9 @@ def run_button(label: str, key: str, request: object, *, disabled: bool = False)
 
 
 def pressed(key: str, waiting: str, current: object | None = None) -> object:
-    """What the page's run button kept under ``key``. Until it is pressed the page shows ``waiting`` and stops; when
-    the page's settings now ask for something else (``current``), a caption says the results are the last run's."""
+    """What the page's run button kept under ``key``. Until it is pressed the page shows ``waiting`` (after any notice
+    a cancelled run left) and stops; when the page's settings now ask for something else (``current``), a caption says
+    the results are the last run's."""
     request = st.session_state.get(key)
     if request is None:
         show_notice()  # a cancelled run forgets its request: say so here, not at the next run
