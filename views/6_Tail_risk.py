@@ -7,6 +7,7 @@ import streamlit as st
 
 from kvviz.methods import budget_spec
 from kvviz.runs import TailRequest
+from kvviz.runtime.models import LoadedModel
 from kvviz.studies.needle import MODES
 from kvviz.studies.tail_items import MAX_HOPS, PROTECT, TASKS
 from kvviz_app import plots
@@ -62,55 +63,64 @@ if grid.blocked():
 ready = chosen and grid.ready
 asked = TailRequest(tuple(valid), tuple(tasks), tuple(sorted(lengths)), tuple(sorted(depths)), tuple(sorted(hops)),
                     mode, tuple(protect))
-run_button("Run the tasks", "tail_request", asked, disabled=not ready)
-_, report = run_pressed(loaded, "tail_request", "Choose tasks and methods, then press **Run the tasks**.",
-                        "Building prompts…", current=asked)
 
-calibration = pd.DataFrame(report.calibration)
-beyond = calibration[calibration["kept"] == 0]["task"].tolist()
-st.success(f"{plural(len(report.cells), 'calibrated run')} in {report.seconds:.1f} s. Kept (full right / generated): "
-           + ", ".join(f"{r.task} {r.kept}/{r.generated}" for r in calibration.itertuples()))
-if beyond:
-    st.warning(f"Beyond {loaded.name} at these settings (the full cache never got them right, so they are not "
-               f"scored): {', '.join(beyond)}. A larger model is needed for these.")
-if not report.cells:
-    st.stop()
-frame = report.to_frame()
-summary = pd.DataFrame(report.summary())
-st.plotly_chart(plots.tail_heatmap(summary), width="stretch")
-if summary["task"].map(lambda t: t == "needle" or t.startswith("vartrack")).any():
-    st.plotly_chart(plots.tail_contrast_figure(summary), width="stretch")
 
-st.subheader("Failures: what each one lost")
-failures = frame[~frame["correct"]]
-if failures.empty:
-    st.caption("Every method got every kept item right.")
-    st.stop()
-causes = failures["cause"].value_counts().to_dict()
-st.caption(f"{plural(len(failures), 'failed run')}: " + ", ".join(f"{n} {cause}" for cause, n in causes.items())
-           + ". evicted: a planted statement the answer needed left the cache in some layer; not evicted: the "
-             "planted tokens all stayed, the method lost other context; quantization: nothing was evicted.")
-choices = {f"{row.method} · {row.item_id}": index for index, row in failures.iterrows()}
-chosen = st.selectbox("Failure", list(choices), key="tail_failure")
-cell = report.cells[choices[chosen]]
-item = next(i for i in report.items if i.item_id == cell.item_id)
-left, right = st.columns([3, 2])
-with left:
-    tokens = token_texts(loaded.name, tuple(item.ids), loaded.tokenizer)
-    st.html(plots.tail_context_html(tokens, cell.evicted_share, [(s.label, s.positions) for s in item.spans]))
-    st.caption("Planted statements: green = kept in every layer and head, red = evicted (darker: more layers). "
-               "Other tokens fade the more they were evicted.")
-with right:
-    st.markdown(f"**Answer** ({cell.method}): `{cell.answer.strip()}`")
-    st.markdown("**Checks**: " + ", ".join(f"{k} {'met' if ok else 'missed'}" for k, ok in cell.checks.items()))
-    st.dataframe(pd.DataFrame([{"span": f.label, "role": f.role, "evicted": f.evicted, "first step": f.evicted_step,
-                                "layers": len(f.evicted_layers)} for f in cell.spans]), hide_index=True,
+@st.fragment
+def results_section(loaded: LoadedModel, asked: TailRequest, ready: bool) -> None:
+    """The run button and everything a report draws. A fragment: pressing Run, Cancel or picking a failure reruns
+    this part alone, not the method boxes above it."""
+    run_button("Run the tasks", "tail_request", asked, disabled=not ready)
+    _, report = run_pressed(loaded, "tail_request", "Choose tasks and methods, then press **Run the tasks**.",
+                            "Building prompts…", current=asked)
+
+    calibration = pd.DataFrame(report.calibration)
+    beyond = calibration[calibration["kept"] == 0]["task"].tolist()
+    st.success(f"{plural(len(report.cells), 'calibrated run')} in {report.seconds:.1f} s. Kept (full right / "
+               "generated): " + ", ".join(f"{r.task} {r.kept}/{r.generated}" for r in calibration.itertuples()))
+    if beyond:
+        st.warning(f"Beyond {loaded.name} at these settings (the full cache never got them right, so they are not "
+                   f"scored): {', '.join(beyond)}. A larger model is needed for these.")
+    if not report.cells:
+        st.stop()
+    frame = report.to_frame()
+    summary = pd.DataFrame(report.summary())
+    st.plotly_chart(plots.tail_heatmap(summary), width="stretch")
+    if summary["task"].map(lambda t: t == "needle" or t.startswith("vartrack")).any():
+        st.plotly_chart(plots.tail_contrast_figure(summary), width="stretch")
+
+    st.subheader("Failures: what each one lost")
+    failures = frame[~frame["correct"]]
+    if failures.empty:
+        st.caption("Every method got every kept item right.")
+        st.stop()
+    causes = failures["cause"].value_counts().to_dict()
+    st.caption(f"{plural(len(failures), 'failed run')}: " + ", ".join(f"{n} {cause}" for cause, n in causes.items())
+               + ". evicted: a planted statement the answer needed left the cache in some layer; not evicted: the "
+                 "planted tokens all stayed, the method lost other context; quantization: nothing was evicted.")
+    choices = {f"{row.method} · {row.item_id}": index for index, row in failures.iterrows()}
+    chosen = st.selectbox("Failure", list(choices), key="tail_failure")
+    cell = report.cells[choices[chosen]]
+    item = next(i for i in report.items if i.item_id == cell.item_id)
+    left, right = st.columns([3, 2])
+    with left:
+        tokens = token_texts(loaded.name, tuple(item.ids), loaded.tokenizer)
+        st.html(plots.tail_context_html(tokens, cell.evicted_share, [(s.label, s.positions) for s in item.spans]))
+        st.caption("Planted statements: green = kept in every layer and head, red = evicted (darker: more layers). "
+                   "Other tokens fade the more they were evicted.")
+    with right:
+        st.markdown(f"**Answer** ({cell.method}): `{cell.answer.strip()}`")
+        st.markdown("**Checks**: " + ", ".join(f"{k} {'met' if ok else 'missed'}" for k, ok in cell.checks.items()))
+        st.dataframe(pd.DataFrame([{"span": f.label, "role": f.role, "evicted": f.evicted, "first step": f.evicted_step,
+                                    "layers": len(f.evicted_layers)} for f in cell.spans]), hide_index=True,
+                     width="stretch")
+    st.dataframe(failures[["method", "task_label", "length", "depth", "answer", "cause", "lost"]], hide_index=True,
                  width="stretch")
-st.dataframe(failures[["method", "task_label", "length", "depth", "answer", "cause", "lost"]], hide_index=True,
-             width="stretch")
 
-left, right = st.columns(2)
-left.download_button("Runs as CSV", lambda: frame.drop(columns=["spans", "evicted_share"]).to_csv(index=False),
-                     "kvviz-tail.csv", "text/csv", on_click="ignore")
-right.download_button("Report as JSON", lambda: json.dumps(report.to_json(), indent=1, default=str), "kvviz-tail.json",
-                      "application/json", on_click="ignore")
+    left, right = st.columns(2)
+    left.download_button("Runs as CSV", lambda: frame.drop(columns=["spans", "evicted_share"]).to_csv(index=False),
+                         "kvviz-tail.csv", "text/csv", on_click="ignore")
+    right.download_button("Report as JSON", lambda: json.dumps(report.to_json(), indent=1, default=str),
+                          "kvviz-tail.json", "application/json", on_click="ignore")
+
+
+results_section(loaded, asked, ready)
