@@ -175,3 +175,11 @@ def test_batched_comparison_on_the_real_model_equals_sequential(real_model, stor
     assert_same_rows(batched, sequential)
     assert not [r.error for r in batched.results if r.error]
     assert batched.by_method("full").text.strip()
+
+
+def test_a_comparison_reports_its_prefill_before_any_model_work(tiny_model, story_ids):
+    """The progress bar's first words name the prefill (seconds for a 2K prompt on a CPU), not a bare "waiting"."""
+    reports = []
+    compare(tiny_model, story_ids, ["window:window=8"], 3, progress=lambda f, m: reports.append((f, m)))
+    assert reports[0] == (0.0, f"prefilling {len(story_ids):,} prompt tokens")
+    assert reports[-1][0] == 1.0 and [f for f, _ in reports] == sorted(f for f, _ in reports)

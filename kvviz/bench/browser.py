@@ -16,6 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# The page's root before its first script run, while one is under way, or while a rerun waits for it.
+RUNNING = ('[data-testid="stApp"]:is([data-test-script-state="initial"], [data-test-script-state="running"], '
+           '[data-test-script-state="rerunRequested"])')
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -100,10 +103,11 @@ def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float
 
 
 def script_done(page, timeout: float, poll: float = 0.1) -> None:
-    """Wait (at most ``timeout`` seconds, looking every ``poll``) until the page's script run has finished: its last
-    element is drawn and Streamlit's running indicator is gone."""
+    """Wait (at most ``timeout`` seconds, looking every ``poll``) until the page's script run has finished, as the
+    page's root says (``data-test-script-state``, what Streamlit's own browser tests read; the header that showed a
+    running indicator is off)."""
     deadline = time.monotonic() + timeout
-    while page.locator('[data-testid="stStatusWidget"]').count() and time.monotonic() < deadline:
+    while page.locator(RUNNING).count() and time.monotonic() < deadline:
         page.wait_for_timeout(poll * 1000)
 
 

@@ -240,6 +240,8 @@ def compare(
     stacks = reference_first(specs)
     capture = capture_for(stacks)  # one capture serves every method: forks never re-prefill
     session = PromptSession(loaded, prompt_ids, reuse_prefix)
+    if progress is not None:  # a 2K prefill takes seconds on a CPU: say what they are spent on
+        progress(0.0, f"prefilling {len(prompt_ids):,} prompt tokens")
     if capture is None:  # nothing records the prompt: it may share a forward with others'
         session.prefill_shared()
     with loaded.lock:  # released before a batched decode: the running batch takes it step by step
