@@ -139,6 +139,13 @@ def test_tail_risk_page_scores_each_method_and_shows_what_a_failure_lost():
     assert [b.label for b in app.get("download_button")] == ["Runs as CSV", "Report as JSON"]
 
 
+def test_tail_risk_page_offers_its_downloads_when_no_run_failed():
+    app = page("6_Tail_risk.py", m=["full"], task=["multikey"], len="192", depth="0.25", hops="1", protect="system")
+    next(b for b in app.button if b.label == "Run the tasks").click().run()
+    assert not app.exception and not app.error, texts(app.error)
+    assert "Every method got every kept item right." in texts(app.caption), "full is its own reference"
+    assert [b.label for b in app.get("download_button")] == ["Runs as CSV", "Report as JSON"]
+
 def test_compare_page_says_what_native_presses_did_and_refuses_an_unmappable_one(monkeypatch):
     monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")  # keys no prompt token has
     specs = ["full", "kvpress_native:press=think,key_channel_compression_ratio=0.25",

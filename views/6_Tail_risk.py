@@ -9,6 +9,7 @@ from kvviz.methods import budget_spec
 from kvviz.runs import TailRequest
 from kvviz.runtime.models import LoadedModel
 from kvviz.studies.needle import MODES
+from kvviz.studies.tail import TailReport
 from kvviz.studies.tail_items import MAX_HOPS, PROTECT, TASKS
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
@@ -65,34 +66,13 @@ asked = TailRequest(tuple(valid), tuple(tasks), tuple(sorted(lengths)), tuple(so
                     mode, tuple(protect))
 
 
-@st.fragment
-def results_section(loaded: LoadedModel, asked: TailRequest, ready: bool) -> None:
-    """The run button and everything a report draws. A fragment: pressing Run, Cancel or picking a failure reruns
-    this part alone, not the method boxes above it."""
-    run_button("Run the tasks", "tail_request", asked, disabled=not ready)
-    _, report = run_pressed(loaded, "tail_request", "Choose tasks and methods, then press **Run the tasks**.",
-                            "Building prompts…", current=asked)
-
-    calibration = pd.DataFrame(report.calibration)
-    beyond = calibration[calibration["kept"] == 0]["task"].tolist()
-    st.success(f"{plural(len(report.cells), 'calibrated run')} in {report.seconds:.1f} s. Kept (full right / "
-               "generated): " + ", ".join(f"{r.task} {r.kept}/{r.generated}" for r in calibration.itertuples()))
-    if beyond:
-        st.warning(f"Beyond {loaded.name} at these settings (the full cache never got them right, so they are not "
-                   f"scored): {', '.join(beyond)}. A larger model is needed for these.")
-    if not report.cells:
-        st.stop()
-    frame = report.to_frame()
-    summary = pd.DataFrame(report.summary())
-    st.plotly_chart(plots.tail_heatmap(summary), width="stretch")
-    if summary["task"].map(lambda t: t == "needle" or t.startswith("vartrack")).any():
-        st.plotly_chart(plots.tail_contrast_figure(summary), width="stretch")
-
+def failure_view(loaded: LoadedModel, report: TailReport, frame: pd.DataFrame) -> None:
+    """Every failed run, and for the one picked: its context with the planted statements it kept or lost."""
     st.subheader("Failures: what each one lost")
     failures = frame[~frame["correct"]]
     if failures.empty:
         st.caption("Every method got every kept item right.")
-        st.stop()
+        return
     causes = failures["cause"].value_counts().to_dict()
     st.caption(f"{plural(len(failures), 'failed run')}: " + ", ".join(f"{n} {cause}" for cause, n in causes.items())
                + ". evicted: a planted statement the answer needed left the cache in some layer; not evicted: the "
@@ -116,11 +96,38 @@ def results_section(loaded: LoadedModel, asked: TailRequest, ready: bool) -> Non
     st.dataframe(failures[["method", "task_label", "length", "depth", "answer", "cause", "lost"]], hide_index=True,
                  width="stretch")
 
+
+@st.fragment
+def results_section(loaded: LoadedModel, asked: TailRequest, ready: bool) -> None:
+    """The run button and everything a report draws. A fragment: pressing Run, Cancel or picking a failure reruns
+    this part alone, not the method boxes above it."""
+    run_button("Run the tasks", "tail_request", asked, disabled=not ready)
+    _, report = run_pressed(loaded, "tail_request", "Choose tasks and methods, then press **Run the tasks**.",
+                            "Building prompts…", current=asked)
+
+    calibration = pd.DataFrame(report.calibration)
+    beyond = calibration[calibration["kept"] == 0]["task"].tolist()
+    st.success(f"{plural(len(report.cells), 'calibrated run')} in {report.seconds:.1f} s. Kept (full right / "
+               "generated): " + ", ".join(f"{r.task} {r.kept}/{r.generated}" for r in calibration.itertuples()))
+    if beyond:
+        st.warning(f"Beyond {loaded.name} at these settings (the full cache never got them right, so they are not "
+                   f"scored): {', '.join(beyond)}. A larger model is needed for these.")
+    if not report.cells:
+        return
+    frame = report.to_frame()
+    summary = pd.DataFrame(report.summary())
+    st.plotly_chart(plots.tail_heatmap(summary), width="stretch")
+    if summary["task"].map(lambda t: t == "needle" or t.startswith("vartrack")).any():
+        st.plotly_chart(plots.tail_contrast_figure(summary), width="stretch")
+
+    failure_view(loaded, report, frame)
+
     left, right = st.columns(2)
     left.download_button("Runs as CSV", lambda: frame.drop(columns=["spans", "evicted_share"]).to_csv(index=False),
                          "kvviz-tail.csv", "text/csv", on_click="ignore")
     right.download_button("Report as JSON", lambda: json.dumps(report.to_json(), indent=1, default=str),
                           "kvviz-tail.json", "application/json", on_click="ignore")
+
 
 
 results_section(loaded, asked, ready)
