@@ -197,6 +197,31 @@ def _browser(playwright):
                                       args=["--no-sandbox", "--disable-dev-shm-usage"])
 
 
+def test_the_bench_times_a_text_from_the_dom_change_that_shows_it():
+    """The app section's clock for "results shown": the page's time of the change that drew the text, found without
+    polling the page (the bench's waits shared the model's two cores); already shown means now, never shown fails."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
+    from playwright.sync_api import Error, sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = _browser(playwright)
+        try:
+            page = chromium.new_page()
+            page.set_content("<p>waiting</p><script>setTimeout(() => { const line = document.createElement('p');"
+                             " line.textContent = '6 configurations on ' + 2025 + ' prompt tokens';"
+                             " document.body.append(line);"
+                             " window.drawnAt = performance.now(); }, 400)</script>")
+            started = page.evaluate("() => performance.now()")
+            shown = browser.text_shown(page, "on 2025 prompt tokens", timeout=10)
+            assert shown == pytest.approx(page.evaluate("() => window.drawnAt"), abs=20) and shown - started >= 350
+            assert browser.text_shown(page, "waiting", timeout=1) >= shown, "a text already there counts from now"
+            with pytest.raises(Error, match="not shown within 300 ms"):
+                browser.text_shown(page, "on 4096 prompt tokens", timeout=0.3)
+        finally:
+            chromium.close()
+
+
 def test_compare_defaults_evict_quantize_and_depart_from_full(server):
     from playwright.sync_api import sync_playwright
 

@@ -133,6 +133,25 @@ def watch_changes(page) -> float:
     return page.evaluate("() => performance.now()")
 
 
+# Resolves with the page's clock when ``text`` first shows, looking only when the DOM changes: Playwright's own
+# waits poll the page many times a second, which on a 2-core server slowed the run being timed (chromium took
+# 0.1-0.4 CPU s per 10 s of waiting in short bursts, and each burst stalls the model's two compute threads).
+_TEXT_SHOWN = """([text, timeout]) => new Promise((resolve, reject) => {
+  const shown = () => document.body.textContent.includes(text);
+  if (shown()) { resolve(performance.now()); return; }
+  const watcher = new MutationObserver(() => {
+    if (shown()) { watcher.disconnect(); resolve(performance.now()); } });
+  watcher.observe(document.body, {subtree: true, childList: true, characterData: true});
+  setTimeout(() => { watcher.disconnect(); reject(new Error(`"${text}" not shown within ${timeout} ms`)); }, timeout);
+})"""
+
+
+def text_shown(page, text: str, timeout: float) -> float:
+    """Wait (at most ``timeout`` seconds) until ``text`` is on the page without polling it; returns the page's clock
+    (milliseconds, as :func:`watch_changes`) when it first showed."""
+    return page.evaluate(_TEXT_SHOWN, [text, timeout * 1000])
+
+
 def last_change(page, since: float, quiet: float = 1.5, timeout: float = 600) -> float:
     """Seconds from ``since`` (the page's clock, :func:`watch_changes`) until the page last changed, once its script
     run has finished and nothing has changed for ``quiet`` seconds."""
