@@ -133,9 +133,9 @@ def watch_changes(page) -> float:
     return page.evaluate("() => performance.now()")
 
 
-# Resolves with the page's clock when ``text`` first shows, looking only when the DOM changes: Playwright's own
-# waits poll the page many times a second, which on a 2-core server slowed the run being timed (chromium took
-# 0.1-0.4 CPU s per 10 s of waiting in short bursts, and each burst stalls the model's two compute threads).
+# Resolves with the page's clock when ``text`` first shows, looking only when the DOM changes: the exact moment it
+# was drawn, and no work on the cores the timed run shares (Playwright's own waits poll the page many times a second:
+# chromium took 0.1-0.4 CPU s per 10 s of waiting).
 _TEXT_SHOWN = """([text, timeout]) => new Promise((resolve, reject) => {
   const shown = () => document.body.textContent.includes(text);
   if (shown()) { resolve(performance.now()); return; }

@@ -7,8 +7,7 @@ The server's first comparison is reported on its own; then several passages of t
 between two engine runs on the same machine (their median ratio), the same result opened again from new browser
 sessions (cached), and every lesson step cold and warm. "Results shown" is the page's clock at the DOM change that drew
 the success line, found without polling the page (:func:`~kvviz.bench.browser.text_shown`): the browser shares the
-server's cores here, and a waiting loop in it stalled the model's two compute threads, which the engine's runs are
-spared.
+server's cores here, and the engine's runs have no browser working beside them.
 """
 
 from __future__ import annotations
