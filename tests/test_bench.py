@@ -3,6 +3,7 @@ capture gives the same statistics whatever the block size."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ def test_quick_bench_reports_every_section(real_model):
     if chromium_path() is not None:  # the app section runs where chromium is
         assert {"cached_rerender", "cached_rerender_server_seconds",
                 "cached_rerender_server_seconds_first_visit"} <= figures["app"], "new browsers and a returning one"
+        assert "app_vs_engine_browser_idle" in figures["app"] or shutil.which("chrt") is None, "both browsers"
     assert all("load_average" in names for names in figures.values()), "each section says how busy the machine was"
     by_name = {s.name: {f.name: f for f in s.figures} for s in report.sections}
     assert by_name["shared_prefill"]["same_tokens_as_independent"].passed
@@ -187,6 +189,20 @@ def test_peak_memory_sees_a_transient_allocation_on_cpu():
         block = torch.ones(50_000_000)  # 200 MB, freed before the block ends
         del block
     assert 150e6 < peak.peak < 400e6
+
+
+def test_the_app_sections_second_browser_starts_at_the_idle_scheduling_class(tmp_path):
+    """Its launcher passes every argument through and runs the program at SCHED_IDLE (a browser that only gets the
+    cores the model leaves free); no launcher where util-linux's chrt is missing."""
+    from kvviz.bench.sections.app import idle_class_chromium
+
+    if shutil.which("chrt") is None:
+        assert idle_class_chromium(sys.executable, tmp_path) is None
+        return
+    launcher = idle_class_chromium(sys.executable, tmp_path)
+    shown = subprocess.run([launcher, "-c", "import os, sys; print(os.sched_getscheduler(0), sys.argv[1:])", "a b"],
+                           capture_output=True, text=True, check=True).stdout
+    assert shown.strip() == f"{os.SCHED_IDLE} ['a b']"
 
 
 def test_kvpress_native_section_times_the_mapping_inside_one_run_too():

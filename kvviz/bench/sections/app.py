@@ -7,12 +7,16 @@ The server's first comparison is reported on its own; then several passages of t
 between two engine runs on the same machine (their median ratio), the same result opened again from new browser
 sessions (cached), and every lesson step cold and warm. "Results shown" is the page's clock at the DOM change that drew
 the success line, found without polling the page (:func:`~kvviz.bench.browser.text_shown`): the browser shares the
-server's cores here, and the engine's runs have no browser working beside them.
+server's cores here, and the engine's runs have no browser working beside them. As many passages again, interleaved,
+run in a second chromium at the idle scheduling class, which only gets cores the model leaves free, as a student's
+browser on their own machine: ``app_vs_engine_browser_idle``, reported beside ``app_vs_engine``.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
+import shutil
 import statistics
 import tempfile
 import time
@@ -94,15 +98,28 @@ class EngineRun(NamedTuple):
     prefill: float
 
 
+class AgainstEngine(NamedTuple):
+    """Served comparisons against the engine's runs of the same passage just before and after each: the engine's
+    mean seconds and each ratio, whole and prefill only."""
+
+    around: list[float]
+    ratios: list[float]
+    prefill_ratios: list[float]
+
+
+def _against_engine(served: list[BrowserRun], engine_around: list[tuple[EngineRun, EngineRun]]) -> AgainstEngine:
+    around = [statistics.mean(run.seconds for run in pair) for pair in engine_around]
+    prefill_around = [statistics.mean(run.prefill for run in pair) for pair in engine_around]
+    return AgainstEngine(around, [run.shown / seconds for run, seconds in zip(served, around, strict=True)],
+                         [run.prefill / seconds for run, seconds in zip(served, prefill_around, strict=True)])
+
+
 def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine_around: list[tuple[EngineRun, EngineRun]],
                        engine_first: EngineRun, app_first: BrowserRun, prompt: int, specs: list[str],
                        new_tokens: int) -> None:
     """Each served comparison against the engine's runs of the same request (passage) just before and after it, the
     median of those ratios; and the server's first comparison against the engine's first."""
-    around = [statistics.mean(run.seconds for run in pair) for pair in engine_around]
-    prefill_around = [statistics.mean(run.prefill for run in pair) for pair in engine_around]
-    ratios = [run.shown / seconds for run, seconds in zip(served, around, strict=True)]
-    prefill_ratios = [run.prefill / seconds for run, seconds in zip(served, prefill_around, strict=True)]
+    around, ratios, prefill_ratios = _against_engine(served, engine_around)
     what = (f"{len(specs)} configurations, {prompt} prompt tokens, {new_tokens} new tokens; both prefill fresh and "
             "pad rows alike (compare's running batch)")
     section.add("app_vs_engine", statistics.median(ratios), "x", "<= 1.15",
@@ -118,6 +135,33 @@ def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine_around
                 note=f"the served app's first comparison, in its new process ({app_first.shown:.1f} s, prefill "
                      f"{app_first.prefill:.2f} s), against the engine's first in this section "
                      f"({engine_first.seconds:.1f} s, prefill {engine_first.prefill:.2f} s)")
+
+
+def _add_browser_elsewhere(section: Section, served: list[BrowserRun],
+                           engine_around: list[tuple[EngineRun, EngineRun]]) -> None:
+    """The same measure with the browser at the scheduler's idle class: what a student's browser on their own
+    machine leaves the server (reported beside ``app_vs_engine``, whose browser competes for the server's cores)."""
+    around, ratios, prefill_ratios = _against_engine(served, engine_around)
+    section.add("app_vs_engine_browser_idle", statistics.median(ratios), "x",
+                note=f"median of {len(served)} further passages, interleaved with app_vs_engine's, timed the same way "
+                     "in a second chromium started at the idle scheduling class (chrt --idle 0), which runs only on a "
+                     "core the model leaves free, as a browser on another machine would: "
+                     + "; ".join(f"app {run.shown:.1f} s / engine {seconds:.1f} s" for run, seconds
+                                 in zip(served, around, strict=True))
+                     + "; prefill " + ", ".join(f"{r:.2f}x" for r in prefill_ratios) + "; chromium used "
+                     + " / ".join(f"{run.browser_cpu:.1f}" for run in served) + " CPU s")
+
+
+def idle_class_chromium(chromium: str, folder: Path) -> str | None:
+    """An executable in ``folder`` that starts ``chromium`` at the idle scheduling class (util-linux's ``chrt``; any
+    user may lower its own class), or None where there is no ``chrt``."""
+    chrt = shutil.which("chrt")
+    if chrt is None:
+        return None
+    launcher = folder / "chromium-idle-class"
+    launcher.write_text(f'#!/bin/sh\nexec {shlex.quote(chrt)} --idle 0 {shlex.quote(chromium)} "$@"\n')
+    launcher.chmod(0o755)
+    return str(launcher)
 
 
 def _add_cached(section: Section, first_visits: list[BrowserRun], returns: list[BrowserRun]) -> None:
@@ -219,7 +263,7 @@ def app(run: BenchRun) -> Section:
         section.skipped = "the playwright package is not installed"
         return section
 
-    passages = [upload_prompt_text(loaded, sizes.app_prompt, k) for k in range(sizes.app_runs + 1)]
+    passages = [upload_prompt_text(loaded, sizes.app_prompt, k) for k in range(2 * sizes.app_runs + 1)]
     prompts = [encode_prompt(loaded.tokenizer, text, chat=True) for text in passages]
     specs = list(app_specs(sizes.app_prompt))
     timeout = 1800.0
@@ -241,12 +285,16 @@ def app(run: BenchRun) -> Section:
         engine_first = engine_run(0)
         with served_app(work / "server.log", env) as served, sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+            idle_launcher = idle_class_chromium(chromium, work)
+            idle_browser = None if idle_launcher is None else playwright.chromium.launch(
+                executable_path=idle_launcher, headless=True, args=CHROMIUM_ARGS)
 
-            def app_run(passage: int, returning: BrowserContext | None = None) -> BrowserRun:
+            def app_run(passage: int, returning: BrowserContext | None = None, in_browser=None) -> BrowserRun:
                 """One student's visit: a new tab, closed afterwards (a class's other tabs are on other machines), in
-                a browser that has never opened kvviz, or in ``returning``, one that has (its cache holds the page's
-                scripts: served "immutable", fetched once per browser)."""
-                page = (returning or browser.new_context(viewport=VIEWPORT)).new_page()
+                a browser that has never opened kvviz (``in_browser``, by default the one at the server's priority),
+                or in ``returning``, one that has (its cache holds the page's scripts: served "immutable", fetched
+                once per browser)."""
+                page = (returning or (in_browser or browser).new_context(viewport=VIEWPORT)).new_page()
                 try:
                     return _compare_in_browser(page, f"{served.url}/Compare?{query}", uploads[passage],
                                                len(prompts[passage]), timeout, served)
@@ -258,14 +306,21 @@ def app(run: BenchRun) -> Section:
             try:
                 log("  app: the same comparison through the Compare page, the server's first run")
                 app_first = app_run(0)
-                log(f"  app against engine: {sizes.app_runs} passage(s) of the play, each between two engine runs")
-                served_runs, engine_around = [], []
-                for passage in range(1, sizes.app_runs + 1):  # a slow spell of the machine hits both sides
+                log(f"  app against engine: {sizes.app_runs} passage(s) of the play, each between two engine runs"
+                    + ("" if idle_browser is None else ", and as many in a browser at the idle scheduling class"))
+                browsers = {"server": browser} | ({} if idle_browser is None else {"idle": idle_browser})
+                served_runs = {name: [] for name in browsers}
+                engine_around = {name: [] for name in browsers}
+                order = [name for round_ in range(sizes.app_runs)  # ABBA: neither browser always goes first
+                         for name in (list(browsers) if round_ % 2 == 0 else list(browsers)[::-1])]
+                for passage, name in enumerate(order, start=1):  # a slow spell of the machine hits both sides
                     before = engine_run(passage)
-                    served_runs.append(app_run(passage))
-                    engine_around.append((before, engine_run(passage)))
-                _add_app_vs_engine(section, served_runs, engine_around, engine_first, app_first, len(prompts[0]), specs,
-                                   sizes.app_tokens)
+                    served_runs[name].append(app_run(passage, in_browser=browsers[name]))
+                    engine_around[name].append((before, engine_run(passage)))
+                _add_app_vs_engine(section, served_runs["server"], engine_around["server"], engine_first, app_first,
+                                   len(prompts[0]), specs, sizes.app_tokens)
+                if idle_browser is not None:
+                    _add_browser_elsewhere(section, served_runs["idle"], engine_around["idle"])
                 log(f"  app: the stored result, opened from {sizes.app_walks} new session(s) in new browsers, then "
                     "in a browser that has opened it before")
                 first_visits = [app_run(1) for _ in range(sizes.app_walks)]
@@ -278,4 +333,6 @@ def app(run: BenchRun) -> Section:
                     _time_lessons(section, browser, served.url, timeout, log)
             finally:
                 browser.close()
+                if idle_browser is not None:
+                    idle_browser.close()
     return section
