@@ -43,7 +43,7 @@ from kvviz.engine.session import compare, encode_prompt
 from kvviz.runtime.models import LoadedModel
 
 if TYPE_CHECKING:
-    from playwright.sync_api import BrowserContext
+    from playwright.sync_api import Browser, BrowserContext
 
 VIEWPORT = {"width": 1400, "height": 1000}  # a laptop's browser window
 
@@ -289,7 +289,8 @@ def app(run: BenchRun) -> Section:
             idle_browser = None if idle_launcher is None else playwright.chromium.launch(
                 executable_path=idle_launcher, headless=True, args=CHROMIUM_ARGS)
 
-            def app_run(passage: int, returning: BrowserContext | None = None, in_browser=None) -> BrowserRun:
+            def app_run(passage: int, returning: BrowserContext | None = None,
+                        in_browser: Browser | None = None) -> BrowserRun:
                 """One student's visit: a new tab, closed afterwards (a class's other tabs are on other machines), in
                 a browser that has never opened kvviz (``in_browser``, by default the one at the server's priority),
                 or in ``returning``, one that has (its cache holds the page's scripts: served "immutable", fetched
