@@ -146,6 +146,7 @@ def test_tail_risk_page_offers_its_downloads_when_no_run_failed():
     assert "Every method got every kept item right." in texts(app.caption), "full is its own reference"
     assert [b.label for b in app.get("download_button")] == ["Runs as CSV", "Report as JSON"]
 
+
 def test_compare_page_says_what_native_presses_did_and_refuses_an_unmappable_one(monkeypatch):
     monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")  # keys no prompt token has
     specs = ["full", "kvpress_native:press=think,key_channel_compression_ratio=0.25",

@@ -129,5 +129,4 @@ def results_section(loaded: LoadedModel, asked: TailRequest, ready: bool) -> Non
                           "kvviz-tail.json", "application/json", on_click="ignore")
 
 
-
 results_section(loaded, asked, ready)

@@ -99,19 +99,21 @@ class EngineRun(NamedTuple):
 
 
 class AgainstEngine(NamedTuple):
-    """Served comparisons against the engine's runs of the same passage just before and after each: the engine's
-    mean seconds and each ratio, whole and prefill only."""
+    """Served comparisons against the engine's runs of the same passage just before and after each: each ratio,
+    whole and prefill only, and the seconds of both sides listed for a figure's note."""
 
-    around: list[float]
     ratios: list[float]
     prefill_ratios: list[float]
+    listed: str
 
 
 def _against_engine(served: list[BrowserRun], engine_around: list[tuple[EngineRun, EngineRun]]) -> AgainstEngine:
     around = [statistics.mean(run.seconds for run in pair) for pair in engine_around]
     prefill_around = [statistics.mean(run.prefill for run in pair) for pair in engine_around]
-    return AgainstEngine(around, [run.shown / seconds for run, seconds in zip(served, around, strict=True)],
-                         [run.prefill / seconds for run, seconds in zip(served, prefill_around, strict=True)])
+    return AgainstEngine([run.shown / seconds for run, seconds in zip(served, around, strict=True)],
+                         [run.prefill / seconds for run, seconds in zip(served, prefill_around, strict=True)],
+                         "; ".join(f"app {run.shown:.1f} s / engine {seconds:.1f} s"
+                                   for run, seconds in zip(served, around, strict=True)))
 
 
 def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine_around: list[tuple[EngineRun, EngineRun]],
@@ -119,14 +121,13 @@ def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine_around
                        new_tokens: int) -> None:
     """Each served comparison against the engine's runs of the same request (passage) just before and after it, the
     median of those ratios; and the server's first comparison against the engine's first."""
-    around, ratios, prefill_ratios = _against_engine(served, engine_around)
+    ratios, prefill_ratios, listed = _against_engine(served, engine_around)
     what = (f"{len(specs)} configurations, {prompt} prompt tokens, {new_tokens} new tokens; both prefill fresh and "
             "pad rows alike (compare's running batch)")
     section.add("app_vs_engine", statistics.median(ratios), "x", "<= 1.15",
                 note=f"median of {len(served)} passages, each from the click until its results show against the "
                      f"engine's runs of the same passage just before and after it, on a server that has run once: "
-                     + "; ".join(f"app {run.shown:.1f} s / engine {seconds:.1f} s" for run, seconds
-                                 in zip(served, around, strict=True)) + f"; {what}")
+                     f"{listed}; {what}")
     section.add("app_prefill_vs_engine", statistics.median(prefill_ratios), "x",
                 note="the prefill each page reports against the engine's around it ("
                      + ", ".join(f"{r:.2f}x" for r in prefill_ratios) + "); chromium, on the same cores, used "
@@ -141,14 +142,12 @@ def _add_browser_elsewhere(section: Section, served: list[BrowserRun],
                            engine_around: list[tuple[EngineRun, EngineRun]]) -> None:
     """The same measure with the browser at the scheduler's idle class: what a student's browser on their own
     machine leaves the server (reported beside ``app_vs_engine``, whose browser competes for the server's cores)."""
-    around, ratios, prefill_ratios = _against_engine(served, engine_around)
+    ratios, prefill_ratios, listed = _against_engine(served, engine_around)
     section.add("app_vs_engine_browser_idle", statistics.median(ratios), "x",
                 note=f"median of {len(served)} further passages, interleaved with app_vs_engine's, timed the same way "
                      "in a second chromium started at the idle scheduling class (chrt --idle 0), which runs only on a "
-                     "core the model leaves free, as a browser on another machine would: "
-                     + "; ".join(f"app {run.shown:.1f} s / engine {seconds:.1f} s" for run, seconds
-                                 in zip(served, around, strict=True))
-                     + "; prefill " + ", ".join(f"{r:.2f}x" for r in prefill_ratios) + "; chromium used "
+                     f"core the model leaves free, as a browser on another machine would: {listed}; prefill "
+                     + ", ".join(f"{r:.2f}x" for r in prefill_ratios) + "; chromium used "
                      + " / ".join(f"{run.browser_cpu:.1f}" for run in served) + " CPU s")
 
 
