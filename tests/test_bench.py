@@ -205,6 +205,37 @@ def test_the_app_sections_second_browser_starts_at_the_idle_scheduling_class(tmp
     assert shown.strip() == f"{os.SCHED_IDLE} ['a b']"
 
 
+def test_process_times_split_a_processs_cpu_into_its_own_and_the_kernels():
+    """Touching fresh memory is kernel time (page faults), arithmetic is the process's own; a process that is gone
+    reads zeros."""
+    from kvviz.bench.browser import process_cpu_seconds, process_times
+
+    before = process_times(os.getpid())
+    pages = bytearray(400 * 2**20)  # zeroed by the kernel as each page is first touched
+    pages[::4096] = b"x" * len(pages[::4096])
+    sum(range(3_000_000))
+    after = process_times(os.getpid())
+    assert after.system > before.system and after.user > before.user
+    assert process_cpu_seconds(os.getpid()) == pytest.approx(sum(after), abs=0.05)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert process_times(gone.pid) == (0.0, 0.0)
+
+
+def test_the_app_section_pairs_each_sides_kernel_seconds_by_passage():
+    """The app-vs-engine note lists, passage by passage, the server's kernel seconds against the mean of the engine's
+    runs just before and after (where a virtual machine's page faults show, on either side)."""
+    from kvviz.bench.sections.app import BrowserRun, EngineRun, _against_engine
+
+    served = [BrowserRun(12.0, 13.0, 24.0, 5.0, 2.0, server_kernel=4.2),
+              BrowserRun(10.0, 11.0, 20.0, 4.0, 2.0, server_kernel=0.6)]
+    around = [(EngineRun(10.0, 4.0, kernel=1.0), EngineRun(14.0, 6.0, kernel=2.0)),
+              (EngineRun(10.0, 4.0, kernel=0.4), EngineRun(10.0, 4.0, kernel=0.8))]
+    against = _against_engine(served, around)
+    assert against.ratios == [1.0, 1.0] and against.prefill_ratios == [1.0, 1.0]
+    assert against.kernel == "app 4.2 s / engine 1.5 s; app 0.6 s / engine 0.6 s"
+
+
 def test_kvpress_native_section_times_the_mapping_inside_one_run_too():
     """Beside the run-against-run ratio (noisy on a shared machine), each press's native fork is timed against the
     press's own forward inside the same run: never below 1x, since the fork contains that forward."""

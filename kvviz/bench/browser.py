@@ -14,6 +14,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[2]
 # The page's root before its first script run, while one is under way, or while a rerun waits for it.
@@ -45,14 +46,31 @@ class ServedApp:
         """CPU seconds the server process has used so far, every thread counted (user and system)."""
         return process_cpu_seconds(self.pid)
 
+    def kernel_seconds(self) -> float:
+        """CPU seconds the kernel has spent for the server so far (mostly its page faults)."""
+        return process_times(self.pid).system
 
-def process_cpu_seconds(pid: int) -> float:
-    """CPU seconds process ``pid`` has used so far, every thread counted (user and system); 0 once it is gone."""
+
+class ProcessTimes(NamedTuple):
+    """CPU seconds a process has used so far, every thread counted: in its own code, and in the kernel for it."""
+
+    user: float
+    system: float
+
+
+def process_times(pid: int) -> ProcessTimes:
+    """Process ``pid``'s :class:`ProcessTimes`; zeros once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return ProcessTimes(0.0, 0.0)
+    tick = os.sysconf("SC_CLK_TCK")
+    return ProcessTimes(int(fields[11]) / tick, int(fields[12]) / tick)
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used so far, every thread counted (user and system); 0 once it is gone."""
+    return sum(process_times(pid))
 
 
 def browser_cpu_seconds() -> float:

@@ -14,6 +14,7 @@ browser on their own machine: ``app_vs_engine_browser_idle``, reported beside ``
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -31,6 +32,7 @@ from kvviz.bench.browser import (
     browser_cpu_seconds,
     chromium_path,
     last_change,
+    process_times,
     served_app,
     settle,
     text_shown,
@@ -60,14 +62,15 @@ def upload_prompt_text(loaded: LoadedModel, tokens: int, passage: int = 0) -> st
 @dataclass(frozen=True)
 class BrowserRun:
     """One press of Run on Compare: seconds from the click until the results appear and until the page's last
-    element is drawn, the server's and the browser's CPU seconds over that rerun, and the prefill seconds the page
-    reports."""
+    element is drawn, the server's and the browser's CPU seconds over that rerun, the prefill seconds the page
+    reports, and the kernel's CPU seconds for the server over the rerun (mostly page faults)."""
 
     shown: float
     drawn: float
     server_cpu: float
     prefill: float
     browser_cpu: float
+    server_kernel: float
 
 
 def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeout: float,
@@ -79,7 +82,8 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     page.locator('[data-testid="stFileUploader"] input[type="file"]').first.set_input_files(str(upload))
     page.get_by_text(f"Using **{upload.name}**".replace("**", "")).first.wait_for(timeout=timeout * 1000)
     settle(page, timeout)
-    cpu, browser_cpu, started = served.cpu_seconds(), browser_cpu_seconds(), watch_changes(page)
+    cpu, kernel, browser_cpu = served.cpu_seconds(), served.kernel_seconds(), browser_cpu_seconds()
+    started = watch_changes(page)
     page.get_by_role("button", name="Run comparison").click()
     success_text = f" on {prompt_tokens} prompt tokens"
     shown = (text_shown(page, success_text, timeout) - started) / 1000
@@ -87,33 +91,42 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     prefill = float(re.search(r"prefill ([0-9.]+) s", success.inner_text()).group(1))
     drawn = last_change(page, started, timeout=timeout)
     server_cpu, browser_cpu = served.cpu_seconds() - cpu, browser_cpu_seconds() - browser_cpu
+    server_kernel = served.kernel_seconds() - kernel
     settle(page, timeout)
-    return BrowserRun(shown, drawn, server_cpu, prefill, browser_cpu)
+    return BrowserRun(shown, drawn, server_cpu, prefill, browser_cpu, server_kernel)
 
 
 class EngineRun(NamedTuple):
-    """One comparison through the engine in the bench's process: its seconds, and its prefill's."""
+    """One comparison through the engine in the bench's process: its seconds, its prefill's, and the kernel's CPU
+    seconds for the process meanwhile (mostly page faults)."""
 
     seconds: float
     prefill: float
+    kernel: float
 
 
 class AgainstEngine(NamedTuple):
     """Served comparisons against the engine's runs of the same passage just before and after each: each ratio,
-    whole and prefill only, and the seconds of both sides listed for a figure's note."""
+    whole and prefill only, and the seconds of both sides listed for a figure's note: the whole runs', and the
+    kernel's CPU seconds for each side (on a virtual machine, memory fresh from the kernel can cost a run several
+    seconds of page zeroing, on either side)."""
 
     ratios: list[float]
     prefill_ratios: list[float]
     listed: str
+    kernel: str
 
 
 def _against_engine(served: list[BrowserRun], engine_around: list[tuple[EngineRun, EngineRun]]) -> AgainstEngine:
     around = [statistics.mean(run.seconds for run in pair) for pair in engine_around]
     prefill_around = [statistics.mean(run.prefill for run in pair) for pair in engine_around]
+    kernel_around = [statistics.mean(run.kernel for run in pair) for pair in engine_around]
     return AgainstEngine([run.shown / seconds for run, seconds in zip(served, around, strict=True)],
                          [run.prefill / seconds for run, seconds in zip(served, prefill_around, strict=True)],
                          "; ".join(f"app {run.shown:.1f} s / engine {seconds:.1f} s"
-                                   for run, seconds in zip(served, around, strict=True)))
+                                   for run, seconds in zip(served, around, strict=True)),
+                         "; ".join(f"app {run.server_kernel:.1f} s / engine {seconds:.1f} s"
+                                   for run, seconds in zip(served, kernel_around, strict=True)))
 
 
 def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine_around: list[tuple[EngineRun, EngineRun]],
@@ -121,7 +134,7 @@ def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine_around
                        new_tokens: int) -> None:
     """Each served comparison against the engine's runs of the same request (passage) just before and after it, the
     median of those ratios; and the server's first comparison against the engine's first."""
-    ratios, prefill_ratios, listed = _against_engine(served, engine_around)
+    ratios, prefill_ratios, listed, kernel = _against_engine(served, engine_around)
     what = (f"{len(specs)} configurations, {prompt} prompt tokens, {new_tokens} new tokens; both prefill fresh and "
             "pad rows alike (compare's running batch)")
     section.add("app_vs_engine", statistics.median(ratios), "x", "<= 1.15",
@@ -131,7 +144,8 @@ def _add_app_vs_engine(section: Section, served: list[BrowserRun], engine_around
     section.add("app_prefill_vs_engine", statistics.median(prefill_ratios), "x",
                 note="the prefill each page reports against the engine's around it ("
                      + ", ".join(f"{r:.2f}x" for r in prefill_ratios) + "); chromium, on the same cores, used "
-                     + " / ".join(f"{run.browser_cpu:.1f}" for run in served) + " CPU s over the app's runs")
+                     + " / ".join(f"{run.browser_cpu:.1f}" for run in served) + " CPU s over the app's runs; "
+                     f"the kernel's CPU for each side (mostly page faults): {kernel}")
     section.add("app_vs_engine_first_run", app_first.shown / engine_first.seconds, "x",
                 note=f"the served app's first comparison, in its new process ({app_first.shown:.1f} s, prefill "
                      f"{app_first.prefill:.2f} s), against the engine's first in this section "
@@ -142,13 +156,13 @@ def _add_browser_elsewhere(section: Section, served: list[BrowserRun],
                            engine_around: list[tuple[EngineRun, EngineRun]]) -> None:
     """The same measure with the browser at the scheduler's idle class: what a student's browser on their own
     machine leaves the server (reported beside ``app_vs_engine``, whose browser competes for the server's cores)."""
-    ratios, prefill_ratios, listed = _against_engine(served, engine_around)
+    ratios, prefill_ratios, listed, kernel = _against_engine(served, engine_around)
     section.add("app_vs_engine_browser_idle", statistics.median(ratios), "x",
                 note=f"median of {len(served)} further passages, interleaved with app_vs_engine's, timed the same way "
                      "in a second chromium started at the idle scheduling class (chrt --idle 0), which runs only on a "
                      f"core the model leaves free, as a browser on another machine would: {listed}; prefill "
                      + ", ".join(f"{r:.2f}x" for r in prefill_ratios) + "; chromium used "
-                     + " / ".join(f"{run.browser_cpu:.1f}" for run in served) + " CPU s")
+                     + " / ".join(f"{run.browser_cpu:.1f}" for run in served) + f" CPU s; the kernel's CPU: {kernel}")
 
 
 def idle_class_chromium(chromium: str, folder: Path) -> str | None:
@@ -269,9 +283,9 @@ def app(run: BenchRun) -> Section:
 
     def engine_run(passage: int) -> EngineRun:
         """The passage's comparison through the engine in this process, prefilled fresh like the server's."""
-        started = time.perf_counter()
+        kernel, started = process_times(os.getpid()).system, time.perf_counter()
         prefill = compare(loaded, prompts[passage], specs, sizes.app_tokens, reuse_prefix=False).prefill_seconds
-        return EngineRun(time.perf_counter() - started, prefill)
+        return EngineRun(time.perf_counter() - started, prefill, process_times(os.getpid()).system - kernel)
 
     with tempfile.TemporaryDirectory(prefix="kvviz-bench-app-") as folder:
         work = Path(folder)
