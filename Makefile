@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8501
+# glibc's arena cap must be in the server's environment from its start (kvviz/runtime/allocator.py says why).
+SERVE := MALLOC_ARENA_MAX=2 $(PY) -m streamlit run app.py
 
 .PHONY: run dev warm test bench lint install model browser clean
 
@@ -23,11 +25,11 @@ model: install
 	$(PY) -m kvviz prepare
 
 run: model
-	$(PY) -m streamlit run app.py --server.port $(PORT) --server.headless true
+	$(SERVE) --server.port $(PORT) --server.headless true
 
 # Development: reload pages when their files change (serving, `run`, watches nothing: see .streamlit/config.toml).
 dev: model
-	$(PY) -m streamlit run app.py --server.port $(PORT) --server.headless true --server.fileWatcherType auto \
+	$(SERVE) --server.port $(PORT) --server.headless true --server.fileWatcherType auto \
 	  --server.runOnSave true
 
 # Before a class: run every page's default and every lesson step once into the result store (then instant).

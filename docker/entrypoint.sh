@@ -5,6 +5,7 @@
 set -eu
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
+export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-2}"  # glibc's arena cap from each process's start (kvviz/runtime/allocator.py)
 "$PYTHON" -m kvviz config >/dev/null
 if [ "${KVVIZ_WARM:-1}" = 1 ]; then
     if [ "${KVVIZ_ENTRYPOINT_DRY_RUN:-0}" = 1 ]; then
@@ -17,7 +18,7 @@ set -- "$PYTHON" -m streamlit run app.py \
     --server.port "${PORT:-8501}" --server.address "${KVVIZ_ADDRESS:-0.0.0.0}" \
     --server.maxUploadSize "${KVVIZ_MAX_UPLOAD_MB:-2}" "$@"
 if [ "${KVVIZ_ENTRYPOINT_DRY_RUN:-0}" = 1 ]; then
-    echo "$@"
+    echo "MALLOC_ARENA_MAX=$MALLOC_ARENA_MAX $*"
     exit 0
 fi
 exec "$@"

@@ -10,6 +10,8 @@ import pytest
 import yaml
 from dockerfile_parse import DockerfileParser
 
+from kvviz.runtime.allocator import ENVIRONMENT
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -73,6 +75,16 @@ def test_entrypoint_checks_settings_warms_then_serves():
     assert warm.endswith("-m kvviz_app.warm"), "the result store is warmed before students connect"
     assert "streamlit run app.py" in serve and "--server.port 9999" in serve
     assert _entrypoint({"KVVIZ_WARM": "0"}).stdout.count("\n") == 1, "KVVIZ_WARM=0 serves at once"
+
+
+def test_the_server_starts_with_glibcs_arena_cap():
+    """Set from the process's start, or glibc ignores it (kvviz/runtime/allocator.py): the container's server and
+    ``make run``'s."""
+    cap = " ".join(f"{name}={value}" for name, value in ENVIRONMENT.items())
+    serve = _entrypoint({"KVVIZ_WARM": "0", "MALLOC_ARENA_MAX": ""}).stdout.strip()
+    assert serve.startswith(cap) and "streamlit run app.py" in serve
+    make = subprocess.run(["make", "-n", "run", "dev"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    assert make.count(f"{cap} .venv/bin/python -m streamlit run app.py") == 2, make
 
 
 def test_entrypoint_refuses_bad_settings_before_serving():

@@ -22,7 +22,7 @@ from urllib.parse import urlparse
 import torch
 
 from kvviz.cache.attention import install_attention
-from kvviz.runtime.allocator import share_freed_memory
+from kvviz.runtime.allocator import reuse_freed_memory
 from kvviz.runtime.faults import ModelError
 from kvviz.runtime.invariance import install_row_invariance
 from kvviz.runtime.prefix import PrefixCache
@@ -260,7 +260,7 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    share_freed_memory()  # before the weights are allocated (ready() asks again, for models built elsewhere)
+    reuse_freed_memory()  # before the weights are allocated (ready() asks again, for models built elsewhere)
     hf_logging.disable_progress_bar()
     source, is_local = resolve_source(name)
     device = resolve_device(device)
@@ -294,7 +294,7 @@ def ready(name: str, model: torch.nn.Module, tokenizer, device: str, dtype: torc
     """A model on its device made ready for kvviz, whatever built it (:func:`load_model`, the bench's random-weight
     models): the threads serving runs share freed memory, the model is in eval mode with kvviz's attention, and on a
     CPU its linear layers pad rows to batch-independent counts (:mod:`kvviz.runtime.invariance`)."""
-    share_freed_memory()
+    reuse_freed_memory()
     model.eval()
     install_attention(model)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, weights=weights,
