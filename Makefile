@@ -4,8 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8501
-# glibc's arena cap must be in the server's environment from its start (kvviz/runtime/allocator.py says why).
-SERVE := MALLOC_ARENA_MAX=2 $(PY) -m streamlit run app.py
+# The server keeps the memory its runs freed: set from its start (kvviz/runtime/allocator.py says why).
+SERVE := MALLOC_ARENA_MAX=2 PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python $(PY) -m streamlit run app.py
 
 .PHONY: run dev warm test bench lint install model browser clean
 

@@ -18,6 +18,12 @@ GB of heaps that way (strace) and paid 2-5 s of kernel time for it on the 2-core
 the main thread, paid 0.1 s. So freed heaps stay mapped (a top pad of one heap), the main arena trims only a free
 top over 2 GB, and tensors up to 32 MB come from the arenas rather than from mappings of their own: the process
 keeps its peak.
+
+One caller undoes that: protobuf's C extension (upb, which every message Streamlit sends goes through) calls
+``malloc_trim(0)`` on every 10,000th block it frees, and that hands every free page of every arena back whatever the
+settings (a gdb breakpoint caught it in the server; strace saw 1.7 GB handed back between two runs, and the next run
+faulted 250 thousand pages again). A server runs protobuf's pure-Python implementation instead (:data:`ENVIRONMENT`):
+0.04 ms to serialize a message against 0.005 ms, a few milliseconds a page.
 """
 
 from __future__ import annotations
@@ -40,7 +46,8 @@ SETTINGS = {
     M_TRIM_THRESHOLD: 2**31 - 1,  # the main arena gives back only a free top over 2 GB
     M_MMAP_THRESHOLD: HEAP // 2,  # glibc's largest: a tensor up to 32 MB reuses arena memory
 }
-ENVIRONMENT = {"MALLOC_ARENA_MAX": str(ARENAS)}  # read by glibc at process start, before any thread
+# A server's, from its start: glibc reads the cap before any thread, protobuf picks its implementation on import.
+ENVIRONMENT = {"MALLOC_ARENA_MAX": str(ARENAS), "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION": "python"}
 _done = threading.Event()
 
 
