@@ -84,11 +84,13 @@ RUNS_ON_NEW_THREADS = """
 
 
 def test_a_runs_freed_memory_is_kept_for_the_next_runs_thread():
-    """Untuned, every run faults its 550 MB in again (about 140 thousand pages each, measured); tuned, the runs after
-    the first few find their pages still there (0-4 thousand)."""
+    """Untuned, every run faults its 550 MB in again: about 140 thousand pages each, 5x the first run's over the five
+    after it (measured). Tuned, a run faults only in an arena that has not grown yet: each of the two once (a new
+    thread takes the main arena when the last one has not yet handed its own back), 0.4-1.4x the first run's over
+    the five after it (measured, six processes)."""
     faults = [int(n) for n in _python(RUNS_ON_NEW_THREADS, ENVIRONMENT).stdout.split()]
     assert faults[0] > 100_000, "the first run touches fresh pages"
-    assert max(faults[3:]) < faults[0] / 20, faults
+    assert sum(faults[1:]) < 2 * faults[0], faults
 
 
 PROTOBUF_MESSAGES_AFTER_A_RUN = """
