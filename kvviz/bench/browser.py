@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from kvviz.runtime.allocator import ENVIRONMENT as MALLOC_ENVIRONMENT
+from kvviz.runtime.allocator import ENVIRONMENT as MEMORY_KEEPING_ENVIRONMENT
 
 ROOT = Path(__file__).resolve().parents[2]
 # The page's root before its first script run, while one is under way, or while a rerun waits for it.
@@ -91,15 +91,16 @@ def browser_cpu_seconds() -> float:
 
 @contextlib.contextmanager
 def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[ServedApp]:
-    """``streamlit run app.py`` as ``make run`` serves it (the baked .streamlit/config.toml, glibc's arena cap in its
-    environment), on a free loopback port, until the block ends."""
+    """``streamlit run app.py`` as ``make run`` serves it (the baked .streamlit/config.toml, and the environment that
+    keeps the memory its runs free: glibc's arena cap, protobuf in pure Python), on a free loopback port, until the
+    block ends."""
     port = _free_port()
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
              "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **MALLOC_ENVIRONMENT, **(env or {})},
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **MEMORY_KEEPING_ENVIRONMENT, **(env or {})},
         )
         url = f"http://127.0.0.1:{port}"
         try:
