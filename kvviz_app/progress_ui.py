@@ -1,5 +1,5 @@
-"""A run in the server's shared queue (:mod:`kvviz_app.runqueue`), shown on the page as a progress bar with a Cancel
-button: first the place in line, then the run's own progress."""
+"""A run in the server's scheduler (:mod:`kvviz.runtime.scheduler`), shown on the page as a progress bar with a
+Cancel button: first the place in line, then the run's own progress."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import streamlit as st
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.faults import describe_error
 from kvviz.runtime.progress import Progress
+from kvviz.runtime.scheduler import DONE, Scheduler, Ticket
 from kvviz.runtime.together import RUNS_TOGETHER
-from kvviz_app.runqueue import DONE, RunQueue, Ticket
 
 T = TypeVar("T")
 PROGRESS_EVERY = 2.0  # seconds between progress bar updates
@@ -28,9 +28,9 @@ class RunFailed(Exception):
 
 
 @st.cache_resource(show_spinner=False)
-def run_queue() -> RunQueue:
+def run_queue() -> Scheduler:
     """One queue per server: runs on the model start round-robin across users and decode together."""
-    return RunQueue(abandon_after=30.0, format_error=describe_error, together=RUNS_TOGETHER)
+    return Scheduler(abandon_after=30.0, format_error=describe_error, together=RUNS_TOGETHER)
 
 
 def session_id() -> str:

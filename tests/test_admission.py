@@ -1,13 +1,14 @@
 """Which runs decode together (kvviz.runtime.admission): on a CPU short comparisons start together and a long
 upload's comparison alone; on an accelerator only the count bounds them; a study runs alone. The bench's class is
-served through the same policy, in arrival order."""
+served through the app's scheduler, in arrival order."""
 
-import threading
 import time
 from types import SimpleNamespace
 
+from kvviz.bench.sections.classroom import serve_class
 from kvviz.runs import AttentionRequest, CompareRequest, RunRequest
-from kvviz.runtime.admission import ADMISSION, CPU_POSITIONS, ONE_AT_A_TIME, Admission, Arrivals, RunSize
+from kvviz.runtime.admission import ADMISSION, CPU_POSITIONS, ONE_AT_A_TIME, Admission, RunSize
+from kvviz.runtime.scheduler import Scheduler
 from kvviz.runtime.together import RUNS_TOGETHER
 
 SHORT = RunSize(40 * 2, "cpu")  # a student's comparison: two configurations on a ~40-token prompt
@@ -61,37 +62,47 @@ def test_requests_say_what_they_put_on_the_model():
     assert RunRequest().run_size(on_cpu).shares is False, "a study holds the model's lock: alone"
 
 
-def _serve(arrivals: Arrivals, sizes: list[RunSize], seconds: float) -> list[tuple[int, float, float]]:
-    """Each size's run (sleeping ``seconds``) through ``arrivals`` on its own thread: (index, start, end)."""
+class _Sleep(RunRequest):
+    """A run of a given size that sleeps instead of computing, and says when it ran."""
+
+    def __init__(self, size: RunSize, seconds: float, spans: list, index: int):
+        self.size, self.seconds, self.spans, self.index = size, seconds, spans, index
+
+    def run_size(self, loaded) -> RunSize:
+        return self.size
+
+    def compute(self, loaded, progress=None):
+        started = time.monotonic()
+        time.sleep(self.seconds)
+        self.spans.append((self.index, started, time.monotonic()))
+
+
+def _serve(admission: Admission, sizes: list[RunSize], seconds: float) -> tuple[list[tuple[int, float, float]], int]:
+    """Each size's run (sleeping ``seconds``) served as the bench serves a class, through the app's scheduler:
+    (index, start, end) per run, and the most runs at once."""
     spans: list[tuple[int, float, float]] = []
-    tickets = [arrivals.arrive(size) for size in sizes]
-
-    def run(index: int) -> None:
-        with arrivals.admitted(tickets[index]):
-            started = time.monotonic()
-            time.sleep(seconds)
-            spans.append((index, started, time.monotonic()))
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in reversed(range(len(sizes)))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(5)
-    return sorted(spans)
+    requests = [_Sleep(size, seconds, spans, index) for index, size in enumerate(sizes)]
+    _, at_once = serve_class(SimpleNamespace(device="cpu"), requests, admission)
+    return sorted(spans), at_once
 
 
-def test_arrivals_start_runs_in_order_as_the_policy_admits_them():
-    arrivals = Arrivals(Admission(most_runs=2))
-    spans = _serve(arrivals, [SHORT] * 4, 0.1)
+def test_the_class_bench_serves_through_the_scheduler_the_app_runs():
+    from kvviz.bench.sections import classroom
+    from kvviz_app import progress_ui
+
+    assert classroom.Scheduler is progress_ui.Scheduler is Scheduler
+
+
+def test_a_class_starts_runs_in_order_as_the_policy_admits_them():
+    spans, at_once = _serve(Admission(most_runs=2), [SHORT] * 4, 0.1)
     starts = [start for _, start, _ in spans]
-    assert arrivals.most_at_once == 2
-    assert starts == sorted(starts), "nobody overtakes"
+    assert at_once == 2
+    assert max(starts[:2]) <= min(starts[2:]), "nobody overtakes"
     assert starts[2] >= min(end for _, _, end in spans[:2]), "the third waits for one of the first two"
 
 
-def test_arrivals_hold_a_run_that_does_not_fit_and_those_behind_it():
-    arrivals = Arrivals(ADMISSION)
-    spans = _serve(arrivals, [SHORT, UPLOAD, SHORT], 0.1)
+def test_a_class_holds_a_run_that_does_not_fit_and_those_behind_it():
+    spans, at_once = _serve(ADMISSION, [SHORT, UPLOAD, SHORT], 0.1)
     (_, _, short_end), (_, upload_start, upload_end), (_, last_start, _) = spans
     assert upload_start >= short_end and last_start >= upload_end, "the upload alone; the short run behind it waits"
-    assert arrivals.most_at_once == 1
+    assert at_once == 1

@@ -16,8 +16,8 @@ from streamlit.testing.v1 import AppTest
 from kvviz.engine.results import MethodResult
 from kvviz.engine.session import compare, encode_prompt
 from kvviz.planning.classroom import ClassRun, percentile, project_class
+from kvviz.runtime.scheduler import Scheduler
 from kvviz.runtime.together import shared_forwards, shared_prefills
-from kvviz_app.runqueue import RunQueue
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ["full", "window:window=12"]
@@ -147,7 +147,7 @@ def test_a_class_of_30_decoding_together_all_finish_fairly_with_single_user_resu
 
 
 def test_queue_order_is_fair_under_load():
-    queue = RunQueue()
+    queue = Scheduler()
     gate = threading.Event()
     order: list[str] = []
     queue.submit("teacher", lambda progress: gate.wait(5))
@@ -187,7 +187,7 @@ def test_soak_repeated_runs_do_not_grow_memory(real_model):
     The precise check is what Python still reaches (tensors, results); the process's resident memory is a coarse
     guard for native leaks, with room for the allocator's own drift (it measured 15-87 MB over 8 runs)."""
     ids = encode_prompt(real_model.tokenizer, "Describe the sea in one line.", chat=True)
-    queue = RunQueue()
+    queue = Scheduler()
     specs = ["full", "h2o:heavy=8,recent=8", "kivi:bits=2,residual=0"]
 
     def one_run() -> None:

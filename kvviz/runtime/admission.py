@@ -1,4 +1,5 @@
-"""Which runs decode together: the one admission policy the app's queue and the bench's class both follow.
+"""Which runs decode together: the admission policy of the one scheduler (:mod:`kvviz.runtime.scheduler`), which the
+app and the bench's class both run.
 
 Decoding together pays where a decode step is bound by reading the weights: a run's rows added to the running batch
 read the same weights and cost the others little, so every run finishes sooner. Where a step is bound by its
@@ -23,9 +24,7 @@ the model by itself (a study, whose runs take the model's lock throughout) is ad
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvviz.runtime.together import RUNS_TOGETHER
@@ -73,42 +72,6 @@ class Admission:
                 else f"up to {self.most_runs} runs at once holding at most {bound:,} positions together")
 
 
-ADMISSION = Admission()  # the server's policy: the app's queue and the bench's class serve runs by it
+ADMISSION = Admission()  # the server's policy: the scheduler serves the app's runs and the bench's class by it
 ONE_AT_A_TIME = Admission(most_runs=1)  # what decoding together is compared with
 
-
-class Arrivals:
-    """Runs started in the order they arrived, each once ``admission`` admits it beside those in progress (nobody
-    overtakes: a run that does not fit yet holds the ones behind it). The bench serves a class through it; the app's
-    queue applies the same policy to its own round-robin order."""
-
-    def __init__(self, admission: Admission):
-        self.admission = admission
-        self._changed = threading.Condition()
-        self._waiting: list[RunSize] = []  # identities: equal sizes are different runs
-        self._running: list[RunSize] = []
-        self.most_at_once = 0  # the most runs that were in progress at once
-
-    def arrive(self, size: RunSize) -> RunSize:
-        """Queue a run (in the caller's order); pass what this returns to :meth:`admitted`."""
-        ticket = RunSize(size.positions, size.device, size.shares)  # its own object, whatever it equals
-        with self._changed:
-            self._waiting.append(ticket)
-        return ticket
-
-    @contextlib.contextmanager
-    def admitted(self, ticket: RunSize) -> Iterator[None]:
-        """Wait for ``ticket``'s turn and admission; the block is its run."""
-        with self._changed:
-            self._changed.wait_for(lambda: self._waiting[0] is ticket
-                                   and self.admission.admits(self._running, ticket))
-            self._waiting.pop(0)
-            self._running.append(ticket)
-            self.most_at_once = max(self.most_at_once, len(self._running))
-            self._changed.notify_all()
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._running = [size for size in self._running if size is not ticket]
-                self._changed.notify_all()

@@ -2,8 +2,9 @@
 class of 30 would see here one run at a time, projected from those per-run times (:mod:`kvviz.planning.classroom`),
 and two classes served for real, one run at a time and as the server admits runs together
 (:mod:`kvviz.runtime.admission`): 30 short comparisons, and a few students each comparing six configurations on
-their own 2K-token upload (``--class-students``). Both ways run through the app's path (the running batch, its rows
-padded as the app pads them), so neither side is favoured.
+their own 2K-token upload (``--class-students``). Both ways run through the app's scheduler
+(:class:`~kvviz.runtime.scheduler.Scheduler`, the same class the app serves through) and the app's path (the running
+batch, its rows padded as the app pads them), so neither side is favoured.
 
 No browser: the requests are the ones the pages run (``kvviz.lessons.step_requests``, Compare's
 ``CompareRequest``), so the section runs wherever the model does, a GPU included (``scripts/gpu_check.sh`` runs it
@@ -14,7 +15,6 @@ the first projection's class through real Streamlit sessions.
 from __future__ import annotations
 
 import statistics
-import threading
 import time
 from typing import NamedTuple
 
@@ -27,8 +27,9 @@ from kvviz.engine.session import encode_prompt
 from kvviz.lessons import step_requests
 from kvviz.planning.classroom import ClassRun, ClassWait, percentile, project_class
 from kvviz.runs import CompareRequest, RunRequest
-from kvviz.runtime.admission import ADMISSION, ONE_AT_A_TIME, Admission, Arrivals
+from kvviz.runtime.admission import ADMISSION, ONE_AT_A_TIME, Admission
 from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.scheduler import DONE, Scheduler
 from kvviz.runtime.together import RUNS_TOGETHER
 
 STUDENTS = 30
@@ -51,39 +52,19 @@ def _student_request(loaded: LoadedModel, prompt: str) -> CompareRequest:
 
 
 def serve_class(loaded: LoadedModel, requests: list[RunRequest], admission: Admission) -> tuple[list[float], int]:
-    """Every request submitted at once and served as the app's queue serves a class: in submission order, each run
-    started once ``admission`` admits it beside the runs in progress, comparisons among them decoding in one batch.
-    Returns each request's seconds from the submission until its result, and the most runs that were in progress at
-    once.
-
-    One at a time, the requests run in turn on this thread: the server runs each on a thread of its own while no other
-    thread holds a pool of CPU helpers (:mod:`kvviz.runtime.threads`), and this thread, which has computed before,
-    holds one, so a run on another thread would get a third less of a CPU's cores than it gets in the server."""
-    if admission.most_runs == 1:
-        started = time.perf_counter()
-        until_result = []
-        for request in requests:
-            request.compute(loaded)
-            until_result.append(time.perf_counter() - started)
-        return until_result, 1
-    arrivals, ready = Arrivals(admission), threading.Event()
-    tickets = [arrivals.arrive(request.run_size(loaded)) for request in requests]
-    until_result = [0.0] * len(requests)
-
-    def serve(index: int) -> None:
-        ready.wait()
-        with arrivals.admitted(tickets[index]):
-            requests[index].compute(loaded)
-        until_result[index] = time.perf_counter() - started
-
-    threads = [threading.Thread(target=serve, args=(i,)) for i in range(len(requests))]
-    for thread in threads:
-        thread.start()
-    started = time.perf_counter()
-    ready.set()
-    for thread in threads:
-        thread.join()
-    return until_result, arrivals.most_at_once
+    """Every request submitted at once to the app's scheduler (:class:`~kvviz.runtime.scheduler.Scheduler`, one
+    student each, so its round-robin is the order of submission), each run started once ``admission`` admits it
+    beside the runs in progress, comparisons among them decoding in one batch. Returns each request's seconds from
+    the submission until its result, and the most runs that were in progress at once."""
+    scheduler = Scheduler(abandon_after=None, together=admission.most_runs, admission=admission)
+    started = time.monotonic()  # the clock tickets keep
+    tickets = [scheduler.submit(f"student-{index}", lambda progress, r=request: r.compute(loaded, progress),
+                                request.run_size(loaded)) for index, request in enumerate(requests)]
+    for ticket in tickets:
+        ticket.done.wait()
+        if ticket.status != DONE:
+            raise RuntimeError(f"a student's run did not finish: {ticket.error}")
+    return [ticket.finished_at - started for ticket in tickets], scheduler.most_at_once
 
 
 class ServedCounters(NamedTuple):

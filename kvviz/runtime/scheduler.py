@@ -1,4 +1,4 @@
-"""A fair run queue for many users sharing one model on one device.
+"""The one scheduler of runs on the model: the app's pages, the class bench and the load test all submit to it.
 
 Page loads and cached results never touch it; only runs that need the model do. ``together`` worker threads start up to
 that many runs at once, each run on a thread of its own that ends with it (:mod:`kvviz.runtime.threads`: a thread
@@ -12,7 +12,8 @@ comparisons does not starve the others, and nobody waits behind more than one ru
 that order that the policy does not admit yet waits for runs in progress to finish, and nobody overtakes it. Users see
 their position, can cancel (queued runs leave at once, a running one stops at its next progress report, which in a
 batch is its next decode step), and a run whose page stopped polling (the browser went away) is dropped, queued or
-running.
+running. The bench's class (``kvviz.bench.sections.classroom``) serves its students through this same class, so its
+figures measure the queue the app runs.
 """
 
 from __future__ import annotations
@@ -91,11 +92,11 @@ class FinishedRun:
     finished_at: float
 
 
-class RunQueue:
+class Scheduler:
     """Round-robin queue with ``together`` workers (runs at once, one per user) starting runs as ``admission``
-    admits them; ``abandon_after`` seconds without ``touch`` drops a run."""
+    admits them; ``abandon_after`` seconds without ``touch`` drops a run (None: never, for callers that do not poll)."""
 
-    def __init__(self, abandon_after: float = 30.0, format_error: ErrorFormatter | None = None,
+    def __init__(self, abandon_after: float | None = 30.0, format_error: ErrorFormatter | None = None,
                  history: int = 1000, together: int = 1, admission: Admission = ADMISSION):
         self.abandon_after = abandon_after
         self.admission = admission
@@ -105,6 +106,7 @@ class RunQueue:
         self._per_user: OrderedDict[str, deque[Ticket]] = OrderedDict()
         self._numbers = itertools.count(1)
         self._running: list[Ticket] = []
+        self.most_at_once = 0  # the most runs that were in progress at once
         self._workers = [threading.Thread(target=self._work, name=f"kvviz-run-queue-{i}", daemon=True)
                          for i in range(max(1, together))]
         for worker in self._workers:
@@ -156,6 +158,7 @@ class RunQueue:
                         self._per_user[user] = queue
                     ticket.status, ticket.started_at = RUNNING, time.monotonic()
                     self._running.append(ticket)
+                    self.most_at_once = max(self.most_at_once, len(self._running))
                     return ticket
                 self._lock.wait(timeout=1.0)
 
@@ -166,7 +169,7 @@ class RunQueue:
             for ticket in self._per_user[user]:
                 if ticket.cancel_requested:
                     self._finish(ticket, CANCELLED, error="cancelled")
-                elif now - ticket.last_seen > self.abandon_after:
+                elif self._abandoned(ticket, now):
                     self._finish(ticket, ABANDONED, error="the page went away")
                 else:
                     keep.append(ticket)
@@ -174,6 +177,9 @@ class RunQueue:
                 self._per_user[user] = keep
             else:
                 del self._per_user[user]
+
+    def _abandoned(self, ticket: Ticket, now: float) -> bool:
+        return self.abandon_after is not None and now - ticket.last_seen > self.abandon_after
 
     def _finish(self, ticket: Ticket, status: str, result: Any = None, error: str | None = None) -> None:
         ticket.status, ticket.result, ticket.error = status, result, error
@@ -188,7 +194,7 @@ class RunQueue:
             ticket = self._next()
 
             def report(fraction: float, message: str, ticket: Ticket = ticket) -> None:
-                if ticket.cancel_requested or time.monotonic() - ticket.last_seen > self.abandon_after:
+                if ticket.cancel_requested or self._abandoned(ticket, time.monotonic()):
                     raise Cancelled
                 ticket.fraction, ticket.message = fraction, message
 

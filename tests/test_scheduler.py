@@ -1,4 +1,5 @@
-"""The shared run queue: fair order, visible positions, cancel, abandoned pages, failures that don't stop it."""
+"""The one scheduler (the app's queue, the bench's class): fair order, visible positions, cancel, abandoned pages,
+failures that don't stop it."""
 
 import os
 import threading
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kvviz.runtime.admission import RunSize
-from kvviz_app.runqueue import ABANDONED, CANCELLED, DONE, FAILED, RunQueue
+from kvviz.runtime.scheduler import ABANDONED, CANCELLED, DONE, FAILED, Scheduler
 
 
 def _blocker():
@@ -22,7 +23,7 @@ def _blocker():
 
 
 def test_round_robin_across_users_and_positions():
-    queue = RunQueue()
+    queue = Scheduler()
     gate, job = _blocker()
     first = queue.submit("alice", job)
     while first.status != "running":
@@ -47,7 +48,7 @@ def test_round_robin_across_users_and_positions():
 
 
 def test_cancel_queued_and_running_runs():
-    queue = RunQueue()
+    queue = Scheduler()
     gate, job = _blocker()
     blocker = queue.submit("a", job)
     queued = queue.submit("b", lambda progress: "never")
@@ -70,7 +71,7 @@ def test_cancel_queued_and_running_runs():
 
 
 def test_abandoned_runs_free_their_slot_and_failures_keep_the_worker_alive():
-    queue = RunQueue(abandon_after=0.05)
+    queue = Scheduler(abandon_after=0.05)
     gate, job = _blocker()
     queue.submit("a", job)
     stale = queue.submit("b", lambda progress: "never")
@@ -88,7 +89,7 @@ def test_abandoned_runs_free_their_slot_and_failures_keep_the_worker_alive():
 
 
 def test_a_running_job_whose_page_stopped_polling_is_abandoned():
-    queue = RunQueue(abandon_after=0.1)
+    queue = Scheduler(abandon_after=0.1)
 
     def long_job(progress):
         for _ in range(500):
@@ -103,7 +104,7 @@ def test_a_running_job_whose_page_stopped_polling_is_abandoned():
 def test_the_third_of_three_users_is_told_two_runs_are_ahead():
     from kvviz_app.progress_ui import queue_message
 
-    queue = RunQueue()
+    queue = Scheduler()
     gate, job = _blocker()
     first = queue.submit("alice", job)
     while first.status != "running":
@@ -118,7 +119,7 @@ def test_the_third_of_three_users_is_told_two_runs_are_ahead():
 
 
 def test_runs_of_different_users_run_together_one_run_per_user():
-    queue = RunQueue(together=3)
+    queue = Scheduler(together=3)
     gate = threading.Event()
     started: list[str] = []
 
@@ -143,7 +144,7 @@ def test_runs_of_different_users_run_together_one_run_per_user():
 
 
 def test_the_queue_remembers_finished_runs_without_their_results():
-    queue = RunQueue()
+    queue = Scheduler()
     result = bytearray(1 << 20)
     ticket = queue.submit("alice", lambda progress: result)
     assert ticket.done.wait(5) and ticket.result is result
@@ -156,7 +157,7 @@ def test_the_queue_remembers_finished_runs_without_their_results():
 def test_the_queue_starts_runs_as_the_admission_policy_admits_them():
     """On a CPU two short comparisons start together; the long upload behind them waits until both are done and runs
     alone, and the short run behind it does not overtake it."""
-    queue = RunQueue(together=4)
+    queue = Scheduler(together=4)
     gate = threading.Event()
     running: list[set[str]] = []
     now: set[str] = set()
@@ -189,7 +190,7 @@ def test_the_queue_starts_runs_as_the_admission_policy_admits_them():
 def test_each_run_computes_on_a_thread_of_its_own_that_ends_with_it():
     """A thread that computed and lived on would keep its OpenMP pool and slow every later run (kvviz.runtime.threads):
     the queue's long-lived workers never run a job themselves."""
-    queue = RunQueue(together=2)
+    queue = Scheduler(together=2)
     ran_on: list[threading.Thread] = []
     tickets = [queue.submit(user, lambda progress: ran_on.append(threading.current_thread())) for user in "abc"]
     for ticket in tickets:
@@ -208,7 +209,7 @@ def _threads_of_this_process() -> int:
 def test_a_finished_runs_cpu_helper_threads_are_gone():
     """The helpers OpenMP started for a run's matrix work leave with the run's thread, so the next run is not left
     with a third fewer cores (kvviz.runtime.threads)."""
-    queue = RunQueue(together=1)
+    queue = Scheduler(together=1)
     warm = queue.submit("a", lambda progress: None)  # the queue's own thread exists before the count
     assert warm.done.wait(5)
     before = _threads_of_this_process()
