@@ -57,9 +57,17 @@ class RunRequest:
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> Any:
         raise NotImplementedError
 
+    def run(self, loaded: LoadedModel, progress: Progress | None = None) -> Any:
+        """:meth:`compute` as the model's engine serves it (:mod:`kvviz.runtime.engine`): a run that shares the model
+        hands its model work to the engine piece by piece from here; one that holds it by itself (a study) runs on
+        the engine's thread as one piece of work. Every entry point (pages, CLI, bench) runs requests this way."""
+        if self.run_size(loaded).shares:
+            return self.compute(loaded, progress)
+        return loaded.engine.call(lambda: self.compute(loaded, progress))
+
     def run_size(self, loaded: LoadedModel) -> RunSize:
         """What the run puts on the model, for the admission policy (:mod:`kvviz.runtime.admission`): a study holds
-        the model's lock throughout, so by default a run is served alone."""
+        the model throughout (one piece of the engine's work), so by default a run is served alone."""
         return RunSize(device=loaded.device, shares=False)
 
 
@@ -115,11 +123,10 @@ class AttentionRequest(RunRequest):
                                matrix_size=MATRIX_SIZE,
                                received_layers=None if self.every_layer else (self.layer,))
         listeners = [_LayerProgress(card.layers, progress)] if progress is not None else []
-        with loaded.lock:
-            return PromptSession(loaded, list(self.prompt_ids)).prefill(config, listeners).stats
+        return loaded.engine.call(lambda: PromptSession(loaded, list(self.prompt_ids)).prefill(config, listeners).stats)
 
     def run_size(self, loaded: LoadedModel) -> RunSize:
-        """One prefill under the model's lock, between the running batch's steps."""
+        """One prefill on the model's engine, between the running batch's steps."""
         return RunSize(len(self.prompt_ids), loaded.device)
 
 
@@ -278,7 +285,7 @@ class ResultStore:
         """The stored result, or compute, store and return it."""
         found = self.load(loaded, request)
         if found is None:
-            found = request.compute(loaded, progress)
+            found = request.run(loaded, progress)
             self.save(loaded, request, found)
         return found
 

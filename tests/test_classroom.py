@@ -53,7 +53,7 @@ class _Run(RunRequest):
 
 def _served(positions: int, runs: int = 3, repeats: int = 2) -> tuple[dict, int]:
     """A class of ``runs`` such runs served both ways: its figures by name, and how many runs computed."""
-    loaded = SimpleNamespace(device="cpu", decoder=SimpleNamespace(shared_forwards=0, seconds=0.0),
+    loaded = SimpleNamespace(device="cpu", engine=SimpleNamespace(shared_forwards=0, seconds=0.0),
                              prefills=SimpleNamespace(shared_forwards=0))
     computed: list[str] = []
     section = Section("classroom", "")

@@ -57,7 +57,7 @@ def test_runs_decoding_beside_another_users_run_equal_themselves_alone_bit_for_b
                 "max_new_tokens": 16, "reuse_prefix": False}
     one_row = {"prompt_ids": encode_prompt(tokenizer, "Name three rivers.", chat=True), "specs": ["full"],
                "max_new_tokens": 6, "reuse_prefix": False}
-    decoder = real_model.decoder
+    decoder = real_model.engine
     shared = decoder.shared_forwards
     outcomes = together(real_model, [defaults, one_row])
     assert decoder.shared_forwards > shared, "the two runs decoded in the same forwards"

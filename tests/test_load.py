@@ -16,8 +16,8 @@ from streamlit.testing.v1 import AppTest
 from kvviz.engine.results import MethodResult
 from kvviz.engine.session import compare, encode_prompt
 from kvviz.planning.classroom import ClassRun, percentile, project_class
+from kvviz.runtime.engine import shared_forwards, shared_prefills
 from kvviz.runtime.scheduler import Scheduler
-from kvviz.runtime.together import shared_forwards, shared_prefills
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ["full", "window:window=12"]

@@ -1,12 +1,8 @@
 """The one scheduler (the app's queue, the bench's class): fair order, visible positions, cancel, abandoned pages,
 failures that don't stop it."""
 
-import os
 import threading
 import time
-
-import pytest
-import torch
 
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.scheduler import ABANDONED, CANCELLED, DONE, FAILED, Scheduler
@@ -185,38 +181,3 @@ def test_the_queue_starts_runs_as_the_admission_policy_admits_them():
     for ticket in tickets:
         assert ticket.done.wait(5) and ticket.status == DONE
     assert running[2:] == [{"upload"}, {"s3"}], "the upload alone, then the short run behind it"
-
-
-def test_each_run_computes_on_a_thread_of_its_own_that_ends_with_it():
-    """A thread that computed and lived on would keep its OpenMP pool and slow every later run (kvviz.runtime.threads):
-    the queue's long-lived workers never run a job themselves."""
-    queue = Scheduler(together=2)
-    ran_on: list[threading.Thread] = []
-    tickets = [queue.submit(user, lambda progress: ran_on.append(threading.current_thread())) for user in "abc"]
-    for ticket in tickets:
-        assert ticket.done.wait(5) and ticket.status == DONE
-    workers = {thread for thread in threading.enumerate() if thread.name.startswith("kvviz-run-queue-")}
-    assert len(set(ran_on)) == 3 and not set(ran_on) & workers
-    assert not any(thread.is_alive() for thread in ran_on)
-
-
-def _threads_of_this_process() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task") or (os.cpu_count() or 1) < 2 or torch.get_num_threads() < 2,
-                    reason="needs Linux and two torch threads (OpenMP helpers)")
-def test_a_finished_runs_cpu_helper_threads_are_gone():
-    """The helpers OpenMP started for a run's matrix work leave with the run's thread, so the next run is not left
-    with a third fewer cores (kvviz.runtime.threads)."""
-    queue = Scheduler(together=1)
-    warm = queue.submit("a", lambda progress: None)  # the queue's own thread exists before the count
-    assert warm.done.wait(5)
-    before = _threads_of_this_process()
-    values = torch.randn(1 << 22)
-    ticket = queue.submit("a", lambda progress: [torch.exp(values) for _ in range(20)])
-    assert ticket.done.wait(30) and ticket.status == DONE
-    deadline = time.monotonic() + 5
-    while _threads_of_this_process() > before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _threads_of_this_process() <= before

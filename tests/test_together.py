@@ -1,5 +1,6 @@
-"""Runs of different users decoding together (kvviz.runtime.together): one forward per step for every run's rows,
-runs joining and leaving mid-batch, each run's result equal to the same run alone, token for token."""
+"""Runs of different users decoding together (kvviz.runtime.together, in the engine's running batch): one forward
+per step for every run's rows, runs joining and leaving mid-batch, each run's result equal to the same run alone,
+token for token."""
 
 import threading
 import time
@@ -21,8 +22,8 @@ class Stop(Exception):
 
 
 def together(loaded, runs: list[dict]) -> list:
-    """Start the runs in threads while the model is held, so their prefills line up in order and every later run
-    joins the batch the first one decodes in; return each run's comparison (or the exception it raised)."""
+    """Start the runs in threads while the model is held, so their prefills line up in order at its engine and every
+    later run joins the batch the first one decodes in; return each run's comparison (or the exception it raised)."""
     outcomes: list = [None] * len(runs)
 
     def run(index: int) -> None:
@@ -35,7 +36,7 @@ def together(loaded, runs: list[dict]) -> list:
     with loaded.lock:
         for count, thread in enumerate(threads, start=1):
             thread.start()
-            while loaded.lock.waiting < count:  # each run in line for its prefill before the next starts
+            while loaded.engine.waiting < count:  # each run's prefill handed to the engine before the next starts
                 time.sleep(0.005)
     for thread in threads:
         thread.join(300)
@@ -43,7 +44,7 @@ def together(loaded, runs: list[dict]) -> list:
 
 
 def test_two_prompts_of_different_lengths_in_one_batch_give_each_its_results_alone(tiny_model, story_ids):
-    decoder = tiny_model.decoder
+    decoder = tiny_model.engine
     shared_before, forwards_before, seconds_before = decoder.shared_forwards, decoder.forwards, decoder.seconds
     runs = [dict(prompt_ids=story_ids[:60], specs=FIRST_SPECS, max_new_tokens=10),
             dict(prompt_ids=story_ids[5:45], specs=SECOND_SPECS, max_new_tokens=4)]  # joins late, leaves early
@@ -70,7 +71,7 @@ def test_a_group_reads_unfinished_to_other_threads_while_its_step_still_chooses_
     first_logits = session.prefill().last_logits
     rows = [Row(parse_spec(spec), session.fork(parse_spec(spec)), first_logits) for spec in ("full", "window:window=8")]
     group = DecodeGroup(rows, 4, set(), Watched())
-    tiny_model.decoder.decode(group)
+    tiny_model.engine.decode(group)
     assert len(seen_while_choosing) == 4 * len(rows) and not any(seen_while_choosing)
     assert group.finished and [len(row.trace.token_ids) for row in rows] == [4, 4]
 

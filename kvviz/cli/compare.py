@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         text = f"{text}\n\n{args.question}"
     request = CompareRequest(tuple(encode_prompt(loaded.tokenizer, text, chat=args.chat)), tuple(specs),
                              args.max_new_tokens)
-    comparison = request.compute(loaded, progress_unless(args.quiet))
+    comparison = request.run(loaded, progress_unless(args.quiet))
     if args.json:
         write_json(args.json, comparison.to_json())
     if args.json != "-":

@@ -33,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
     depths = options.numbers(args.depths, float, "--depths")
     request = NeedleRequest(tuple(specs), tuple(lengths), tuple(depths), args.trials, args.mode, args.chat,
                             args.max_new_tokens, args.seed)
-    report = request.compute(options.load(args), progress_unless(args.quiet))
+    report = request.run(options.load(args), progress_unless(args.quiet))
     emit_report(args, report)
     return 0

@@ -47,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
     preamble_ids = pieces[0][0]
     progress = progress_unless(args.quiet)
     turns = PrefixTurnsRequest(tuple(tuple(preamble_ids + q) for _, q in pieces), tuple(questions),
-                               args.block_tokens, args.repeats).compute(loaded, progress)
+                               args.block_tokens, args.repeats).run(loaded, progress)
     sharing = None
     if len(questions) >= 2 and not args.no_sharing:
         sharing = PrefixSharingRequest(tuple(preamble_ids), tuple(pieces[0][1]), tuple(pieces[1][1]), tuple(specs),
-                                       args.max_new_tokens).compute(loaded, progress)
+                                       args.max_new_tokens).run(loaded, progress)
     if args.json != "-":
         print(f"preamble {len(preamble_ids)} tokens, blocks of {args.block_tokens}")
         print("\n".join(turns.lines() + (sharing.lines() if sharing is not None else [])))

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     request = SweepRequest(workload, tuple(args.method), tuple(budgets), cluster,
                            None if cluster is None else options.model_source(args))
     try:
-        report = request.compute(loaded, progress_unless(args.quiet))
+        report = request.run(loaded, progress_unless(args.quiet))
     except ClusterError as error:
         raise UsageError(str(error)) from None
     if args.json:

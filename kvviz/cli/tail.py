@@ -43,6 +43,6 @@ def run(args: argparse.Namespace) -> int:
     hops = options.numbers(args.hops, int, "--hops")
     request = TailRequest(tuple(specs), tuple(tasks), tuple(lengths), tuple(depths), tuple(hops), args.mode,
                           tuple(args.protect or ()), args.trials, args.seed)
-    report = request.compute(options.load(args), progress_unless(args.quiet))
+    report = request.run(options.load(args), progress_unless(args.quiet))
     emit_report(args, report)
     return 0

@@ -2,9 +2,9 @@
 
 Each prompt is prefilled once and every configuration forks its cache from that prefill, as :func:`compare` does
 for one prompt. The prompts then decode in *waves*: every configuration of every prompt in a wave is a row of the
-same forward, one per step (:class:`kvviz.runtime.together.SharedDecoder`, which other users' runs may join). A wave
-holds as many prompts as fit under a row cap and a memory budget. Prompts that nobody's attention is recorded for
-(quantizers and fixed windows only) are prefilled together, several in one forward.
+same forward, one per step (the engine's running batch, :mod:`kvviz.runtime.engine`, which other users' runs may
+join). A wave holds as many prompts as fit under a row cap and a memory budget. Prompts that nobody's attention is
+recorded for (quantizers and fixed windows only) are prefilled together, several in one forward.
 
 Rows do exactly what they do alone (each its own cache; on a CPU the linear layers are padded to row counts that
 give every row the same numbers whatever shares its forward: :mod:`kvviz.runtime.invariance`), so each prompt's
@@ -113,19 +113,21 @@ def decode_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], specs:
         report = share(progress, number / len(planned), (number + 1) / len(planned),
                        f"prompts {wave.start + 1}-{wave.stop} of {len(prompts)}: ")
         sessions = [sessions_of[index] for index in wave]
-        with loaded.lock:  # released before the decode: the running batch takes it step by step
+        def prefill_and_fork(sessions=sessions, report=report) -> list[list[Row]]:
             if report is not None:
                 report(0.0, "prefilling")
             _prefill(loaded, sessions, stacks)
-            rows = [fork_rows(session, stacks) for session in sessions]
+            return [fork_rows(session, stacks) for session in sessions]
+
+        rows = loaded.engine.call(prefill_and_fork)  # on the engine; then the running batch steps the rows
         groups = [decode_group(session, prompt_rows, max_new_tokens, mode, progress=report if index == 0 else None)
                   for index, (session, prompt_rows) in enumerate(zip(sessions, rows, strict=True))]
-        loaded.decoder.decode(*groups)
+        loaded.engine.decode(*groups)
         for group in groups:
             if group.error is not None:  # cancelled, or the forward ran out of memory
                 raise group.error
-        results += [group_results(session, prompt_rows, mode)
-                    for session, prompt_rows in zip(sessions, rows, strict=True)]
+        results += loaded.engine.call(lambda sessions=sessions, rows=rows: [
+            group_results(session, prompt_rows, mode) for session, prompt_rows in zip(sessions, rows, strict=True)])
         _release(rows)
     if progress is not None:
         progress(1.0, "done")

