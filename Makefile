@@ -4,8 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PORT ?= 8501
-# The server keeps the memory its runs freed: set from its start (kvviz/runtime/allocator.py says why).
-SERVE := MALLOC_ARENA_MAX=2 PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python $(PY) -m streamlit run app.py
+# A plain `streamlit run app.py`: make adds only the port and headless flags (app.py applies the settings).
+SERVE := $(PY) -m streamlit run app.py
 
 .PHONY: run dev warm test bench lint install model browser clean
 

@@ -1,10 +1,14 @@
-"""kvviz's entrypoint (`streamlit run app.py`): the navigation menu. Every page is a script under views/ (not pages/:
-Streamlit would also list a pages/ folder on its own, showing a stray "app" entry on deep links)."""
+"""kvviz's entrypoint (`streamlit run app.py`, nothing else needed): the server's start-up, then the navigation menu.
+Every page is a script under views/ (not pages/: Streamlit would also list a pages/ folder on its own, showing a stray
+"app" entry on deep links)."""
 
 from pathlib import Path
 
 import streamlit as st
 
+from kvviz.engine.startup import start_server
+
+start_server()  # once per process: the deployment settings applied (kvviz/engine/startup.py says what and why)
 st.html(Path(__file__).parent / "assets" / "quiet_runs.css")  # before any page's work: still drawing while runs compute
 st.navigation([
     st.Page("views/0_Home.py", title="Home", icon=":material/home:", default=True),

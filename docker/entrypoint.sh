@@ -5,9 +5,6 @@
 set -eu
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python}"
-# Processes keep the memory their runs freed, set from each one's start (kvviz/runtime/allocator.py says why).
-export MALLOC_ARENA_MAX="${MALLOC_ARENA_MAX:-2}"
-export PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION="${PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION:-python}"
 "$PYTHON" -m kvviz config >/dev/null
 if [ "${KVVIZ_WARM:-1}" = 1 ]; then
     if [ "${KVVIZ_ENTRYPOINT_DRY_RUN:-0}" = 1 ]; then
@@ -20,7 +17,7 @@ set -- "$PYTHON" -m streamlit run app.py \
     --server.port "${PORT:-8501}" --server.address "${KVVIZ_ADDRESS:-0.0.0.0}" \
     --server.maxUploadSize "${KVVIZ_MAX_UPLOAD_MB:-2}" "$@"
 if [ "${KVVIZ_ENTRYPOINT_DRY_RUN:-0}" = 1 ]; then
-    echo "MALLOC_ARENA_MAX=$MALLOC_ARENA_MAX PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=$PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION $*"
+    echo "$*"
     exit 0
 fi
 exec "$@"

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import gc
-
 import streamlit as st
 
-from kvviz.engine.startup import apply_settings
 from kvviz.runtime.faults import describe_error
 from kvviz.runtime.models import LoadedModel, ModelError, is_hub_id, load_model
 from kvviz.runtime.settings import Settings
@@ -14,31 +11,15 @@ from kvviz_app.url import ICON, Read, linked, listing, read_text, shown, unknown
 
 
 def settings() -> Settings:
-    """Deployment limits from the environment (upload size, prompt and generation caps), applied as every entry point
-    applies them (:func:`kvviz.engine.startup.apply_settings`: the server's own kvpress presses reach the methods)."""
-    return apply_settings()
+    """Deployment limits from the environment (upload size, prompt and generation caps). Reading them changes
+    nothing: the server's start-up applied them (:func:`kvviz.engine.startup.start_server`)."""
+    return Settings.from_env()
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
 def cached_model(name: str, weights: str = "auto") -> LoadedModel:
-    """One shared instance per model for every user of this server; the heap is frozen once it is loaded."""
-    loaded = load_model(name, device=settings().device, weights=weights)
-    freeze_heap()
-    return loaded
-
-
-def freeze_heap() -> None:
-    """Move everything alive now (the libraries, the loaded models) out of the garbage collector's sight.
-
-    After every script run Streamlit collects all generations (``runner.postScriptGC``), and with torch,
-    transformers and a model loaded that walked about 0.55 million objects in 0.4 s, holding the interpreter lock,
-    on every rerun of every session. Frozen, they are never walked again: a rerun's collection costs what its own
-    objects cost, and memory stays bounded, since what reruns leave behind is still collected. Unfrozen and collected
-    first, so that a model dropped from the cache since the last freeze is freed rather than frozen for good.
-    """
-    gc.unfreeze()
-    gc.collect()
-    gc.freeze()
+    """One shared instance per model (and its engine) for every user of this server."""
+    return load_model(name, device=settings().device, weights=weights)
 
 
 def page_header(tab: str | None, title: str, caption: str, link_settings: tuple[str, ...] = ()) -> None:

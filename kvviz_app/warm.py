@@ -19,6 +19,8 @@ from pathlib import Path
 from streamlit.logger import set_log_level
 from streamlit.testing.v1 import AppTest
 
+from kvviz.engine.startup import start_server
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "views"
 STEP_RADIO = "step"  # a page with a radio under this key (Lessons) is warmed step by step
@@ -110,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one page may take")
     args = parser.parse_args(argv)
     set_log_level("error")  # pages run outside a server: Streamlit would warn about it on every call
+    start_server()  # the pages' settings, applied as app.py's start-up applies them
     pages = [p.strip() for p in args.pages.split(",")] if args.pages else None
     started = time.perf_counter()
     try:

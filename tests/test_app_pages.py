@@ -148,7 +148,18 @@ def test_tail_risk_page_offers_its_downloads_when_no_run_failed():
 
 
 def test_compare_page_says_what_native_presses_did_and_refuses_an_unmappable_one(monkeypatch):
+    from kvviz.engine.startup import apply_settings
+    from kvviz.methods.kvpress.catalog import configure_presses
+
     monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")  # keys no prompt token has
+    apply_settings()  # as the server's start-up hands them to the catalog
+    try:
+        _compare_with_native_presses()
+    finally:
+        configure_presses((), True)
+
+
+def _compare_with_native_presses() -> None:
     specs = ["full", "kvpress_native:press=think,key_channel_compression_ratio=0.25",
              "kvpress_native:press=merging,inner=knorm", "kvpress_native:press=keyscaling"]
     app = page("2_Compare.py", m=specs, n="2")

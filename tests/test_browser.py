@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvviz.bench import browser
-from kvviz.bench.browser import RUNNING, served_app
+from kvviz.bench import browser, dom
+from kvviz.bench.browser import served_app
 
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = ROOT / "docs" / "screenshots"
@@ -24,7 +24,7 @@ SERVED: dict[str, int] = {}  # the server's process id, for checks on the served
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """``streamlit run app.py`` as ``make run`` serves it, on a free loopback port, until the module's tests finish."""
+    """A plain ``streamlit run app.py`` (as ``make run`` serves it), on a free port, until the module's tests finish."""
     if not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
     pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
@@ -39,7 +39,7 @@ def settle(page, timeout: float = 240) -> None:
 
 
 def no_exception(page) -> None:
-    assert page.locator('[data-testid="stException"]').count() == 0, page.inner_text("body")[:2000]
+    assert page.locator(dom.EXCEPTION).count() == 0, page.inner_text("body")[:2000]
 
 
 def shoot(page, name: str, anchor: str | None = None, element: str | None = None) -> None:
@@ -80,7 +80,7 @@ def test_served_app_watches_no_files_and_deep_links_show_only_the_pages(server):
         page.goto(f"{server}/Memory_planner")
         settle(page)
         assert inotify_watches(SERVED["pid"]) == 0
-        entries = page.locator('[data-testid="stSidebarNavLink"]').all_inner_texts()
+        entries = page.locator(dom.SIDEBAR_NAV_LINK).all_inner_texts()
         assert entries and "Home" in entries[0] and not any(e.strip() == "app" for e in entries), entries
         browser.close()
 
@@ -125,7 +125,7 @@ def test_every_page_in_chromium(server):
             assert "Results as CSV" in body
             no_exception(page)
             # the other diagnostics are a click away
-            page.locator('[data-testid="stButtonGroup"]').get_by_text("Kept tokens", exact=True).click()
+            page.locator(dom.BUTTON_GROUP).get_by_text("Kept tokens", exact=True).click()
             page.get_by_text("of prompt tokens cached").wait_for(timeout=60_000)
             settle(page)
             assert page.locator(".js-plotly-plot").count() == 1
@@ -176,7 +176,7 @@ def test_bad_uploads_get_a_message_and_the_page_keeps_working(server, tmp_path):
             page.goto(f"{server}/Compare?m=full&n=2", timeout=120_000)
             page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
             settle(page)
-            upload = page.locator('[data-testid="stFileUploader"] input[type="file"]').first
+            upload = page.locator(dom.FILE_INPUT).first
             upload.set_input_files(str(binary))
             page.get_by_text("looks binary").wait_for(timeout=60_000)
             settle(page)
@@ -234,18 +234,18 @@ def test_compare_defaults_evict_quantize_and_depart_from_full(server):
             settle(page)
             assert page.get_by_role("textbox", name="Prompt").input_value().startswith("Every autumn")
             page.get_by_role("button", name="Run comparison").click()
-            page.locator('[data-testid="stProgress"]').wait_for(timeout=60_000)
-            assert page.locator('[data-testid="stStatusWidget"]').count() == 0, "no header, no animated icon"
+            page.locator(dom.PROGRESS).wait_for(timeout=60_000)
+            assert page.locator(dom.STATUS_WIDGET).count() == 0, "no header, no animated icon"
             page.get_by_text("configurations on").wait_for(timeout=600_000)
             settle(page)
             no_exception(page)
-            assert page.locator('[data-testid="stAlertContentError"]').count() == 0, "every default method ran"
+            assert page.locator(dom.ERROR).count() == 0, "every default method ran"
             body = page.inner_text("body")
-            assert "Ines" in page.locator('[data-testid="stHtml"]').first.inner_text(), "full's answer is right"
+            assert "Ines" in page.locator(dom.HTML).first.inner_text(), "full's answer is right"
             divergences = body.count("first divergence none")
             assert body.count("agreement with full") - divergences >= 1, "at least one output departs from full"
             shoot(page, "compare-defaults", anchor="Outputs")
-            page.locator('[data-testid="stButtonGroup"]').get_by_text("Kept tokens", exact=True).click()
+            page.locator(dom.BUTTON_GROUP).get_by_text("Kept tokens", exact=True).click()
             page.get_by_text("of prompt tokens cached").wait_for(timeout=60_000)
             assert "Nothing was evicted" not in page.inner_text("body")
 
@@ -274,15 +274,15 @@ def test_long_upload_is_cut_in_the_middle_without_an_error(server, tmp_path):
             page.goto(f"{server}/Compare?m=full&n=2", timeout=120_000)
             page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
             settle(page)
-            page.locator('[data-testid="stFileUploader"] input[type="file"]').first.set_input_files(str(long_file))
+            page.locator(dom.FILE_INPUT).first.set_input_files(str(long_file))
             page.get_by_text("Cut the middle to fit").wait_for(timeout=120_000)
             settle(page)
-            assert page.locator('[data-testid="stAlertContentError"]').count() == 1
+            assert page.locator(dom.ERROR).count() == 1
             page.get_by_text("Cut the middle to fit").click()
             page.get_by_text("from the middle of the document").wait_for(timeout=120_000)
             settle(page)
             no_exception(page)
-            assert page.locator('[data-testid="stAlertContentError"]').count() == 0, "no error once accepted"
+            assert page.locator(dom.ERROR).count() == 0, "no error once accepted"
             assert page.get_by_role("button", name="Run comparison").is_enabled()
         finally:
             browser.close()
@@ -377,12 +377,12 @@ def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server)
             page.get_by_role("button", name="Run the sweep").wait_for(timeout=180_000)
             settle(page)
             page.get_by_role("button", name="Run the sweep").click()
-            page.locator(RUNNING).wait_for(timeout=60_000)
+            page.locator(dom.RUNNING).wait_for(timeout=60_000)
             page.wait_for_timeout(700)  # the still label shows once a run has lasted half a second
-            label = page.locator('[data-testid="stApp"]').evaluate(
+            label = page.locator(dom.APP).evaluate(
                 "app => [getComputedStyle(app, '::after').content, getComputedStyle(app, '::after').visibility]")
             assert label == ['"Running…"', "visible"], label
-            assert page.locator('[data-testid="stStatusWidget"]').count() == 0, "no header, no animated icon"
+            assert page.locator(dom.STATUS_WIDGET).count() == 0, "no header, no animated icon"
             page.get_by_text("configurations on 32 multikey items").wait_for(timeout=600_000)
             settle(page)
             no_exception(page)

@@ -1,5 +1,5 @@
-"""The app served as ``make run`` serves it, and headless chromium to drive it (the ``app`` section and the browser
-tests both use these)."""
+"""The app served as a plain ``streamlit run app.py`` (``make run`` adds only flags), and headless chromium to drive
+it (the ``app`` section and the browser tests both use these; Streamlit's selectors are in :mod:`kvviz.bench.dom`)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from kvviz.runtime.allocator import ENVIRONMENT as MEMORY_KEEPING_ENVIRONMENT
+from kvviz.bench import dom
 
 ROOT = Path(__file__).resolve().parents[2]
-# The page's root before its first script run, while one is under way, or while a rerun waits for it.
-RUNNING = ('[data-testid="stApp"]:is([data-test-script-state="initial"], [data-test-script-state="running"], '
-           '[data-test-script-state="rerunRequested"])')
+SERVE_COMMAND = ("streamlit", "run", "app.py")  # what the bench starts, as a user would (plus flags)
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -39,10 +37,12 @@ def _free_port() -> int:
 
 @dataclass
 class ServedApp:
-    """A running ``streamlit run app.py``: where to reach it and its process id (for checks on the process)."""
+    """A running ``streamlit run app.py``: where to reach it, its process id (for checks on the process) and the
+    command line it was started with (the bench says how it started the server)."""
 
     url: str
     pid: int
+    command: str = ""
 
     def cpu_seconds(self) -> float:
         """CPU seconds the server process has used so far, every thread counted (user and system)."""
@@ -75,33 +75,49 @@ def process_cpu_seconds(pid: int) -> float:
     return sum(process_times(pid))
 
 
-def browser_cpu_seconds() -> float:
-    """CPU seconds the chromium processes on this machine have used so far (what a browser on the server's own
-    cores takes from the model while it draws the page)."""
-    total = 0.0
-    for stat in Path("/proc").glob("[0-9]*/comm"):
+def descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and theirs, now running (from /proc; empty where there is none)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            name = stat.read_text().strip()
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    found, frontier = [], [pid]
+    while frontier:
+        kids = children.get(frontier.pop(), [])
+        found += kids
+        frontier += kids
+    return found
+
+
+def browser_cpu_seconds() -> float:
+    """CPU seconds the chromium processes this process launched (through Playwright's driver) have used so far: what
+    the bench's browser on the server's own cores takes from the model while it draws the page. Other browsers on
+    the machine (another engineer's, a CI job's) are not counted."""
+    total = 0.0
+    for pid in descendants(os.getpid()):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
         if name.startswith(("chrom", "headless_shell")):
-            total += process_cpu_seconds(int(stat.parent.name))
+            total += process_cpu_seconds(pid)
     return total
 
 
 @contextlib.contextmanager
 def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float = 90) -> Iterator[ServedApp]:
-    """``streamlit run app.py`` as ``make run`` serves it (the baked .streamlit/config.toml, and the environment that
-    keeps the memory its runs free: glibc's arena cap, protobuf in pure Python), on a free loopback port, until the
-    block ends."""
+    """A plain ``streamlit run app.py`` (the baked .streamlit/config.toml; only flags for the port, address and
+    headless mode, as ``make run`` adds them: :data:`SERVE_COMMAND`), on a free loopback port, until the block
+    ends."""
     port = _free_port()
     with log_path.open("w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
-             "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **MEMORY_KEEPING_ENVIRONMENT, **(env or {})},
-        )
+        command = ["python", "-m", *SERVE_COMMAND, "--server.port", str(port), "--server.address", "127.0.0.1",
+                   "--server.headless", "true"]
+        process = subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, **(env or {})})
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + startup
@@ -113,7 +129,8 @@ def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float
                     if process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"streamlit did not start; see {log_path}") from None
                     time.sleep(0.5)
-            yield ServedApp(url, process.pid)
+            yield ServedApp(url, process.pid, " ".join(command) + (
+                "" if not env else " with " + " ".join(f"{name}={value}" for name, value in env.items())))
         finally:
             process.terminate()
             try:
@@ -128,14 +145,14 @@ def script_done(page, timeout: float, poll: float = 0.1) -> None:
     page's root says (``data-test-script-state``, what Streamlit's own browser tests read; the header that showed a
     running indicator is off)."""
     deadline = time.monotonic() + timeout
-    while page.locator(RUNNING).count() and time.monotonic() < deadline:
+    while page.locator(dom.RUNNING).count() and time.monotonic() < deadline:
         page.wait_for_timeout(poll * 1000)
 
 
 def settle(page, timeout: float = 600, pause: float = 0.3) -> None:
     """Wait until the page's script run finished (:func:`script_done`), ``pause`` seconds before looking (a run may
     not have started yet) and after (the last elements drawn)."""
-    page.wait_for_selector('[data-testid="stApp"]', timeout=timeout * 1000)
+    page.wait_for_selector(dom.APP, timeout=timeout * 1000)
     page.wait_for_timeout(pause * 1000)
     script_done(page, timeout - pause)
     page.wait_for_timeout(pause * 1000)

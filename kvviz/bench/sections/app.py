@@ -1,8 +1,9 @@
 """The served app timed against its own engine, in headless chromium.
 
-What a student feels: the app is started as ``make run`` starts it (its own process, the baked config, an empty
-result store), Compare is driven through the real page (URL settings, file upload, the Run button) and timed from
-the click until the results are on screen; the same comparison is timed in this process with the engine alone.
+What a student feels: the app is started as a plain ``streamlit run app.py`` (its own process, the baked config, an
+empty result store; ``make run`` adds only flags, and the section says the command line), Compare is driven through
+the real page (URL settings, file upload, the Run button) and timed from the click until the results are on screen;
+the same comparison is timed in this process with the engine alone.
 The server's first comparison is reported on its own; then several passages of the play, each timed through the page
 between two engine runs on the same machine (their median ratio), the same result opened again from new browser
 sessions (cached), and every lesson step cold and warm. "Results shown" is the page's clock at the DOM change that drew
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+from kvviz.bench import dom
 from kvviz.bench.browser import (
     CHROMIUM_ARGS,
     ServedApp,
@@ -79,7 +81,7 @@ def _compare_in_browser(page, url: str, upload: Path, prompt_tokens: int, timeou
     page.goto(url, timeout=timeout * 1000)
     page.get_by_role("button", name="Run comparison").wait_for(timeout=timeout * 1000)
     settle(page, timeout)
-    page.locator('[data-testid="stFileUploader"] input[type="file"]').first.set_input_files(str(upload))
+    page.locator(dom.FILE_INPUT).first.set_input_files(str(upload))
     page.get_by_text(f"Using **{upload.name}**".replace("**", "")).first.wait_for(timeout=timeout * 1000)
     settle(page, timeout)
     cpu, kernel, browser_cpu = served.cpu_seconds(), served.kernel_seconds(), browser_cpu_seconds()
@@ -211,16 +213,16 @@ def _lesson_in_browser(page, base: str, step: int, timeout: float) -> float:
     Waits for the button itself rather than for the page to settle: a warm server renders the page after the running
     indicator was checked, so a settle-then-look finds no button."""
     page.goto(f"{base}/Lessons?step={step}", timeout=timeout * 1000)
-    button = page.locator('[data-testid="stBaseButton-primary"]').first
+    button = page.locator(dom.PRIMARY_BUTTON).first
     button.wait_for(timeout=timeout * 1000)
     started = time.perf_counter()
     button.click()
-    done = page.locator('[data-testid="stException"]')
+    done = page.locator(dom.EXCEPTION)
     for text in LESSON_DONE:
         done = done.or_(page.get_by_text(text))
     done.first.wait_for(timeout=timeout * 1000)
     seconds = time.perf_counter() - started
-    if page.locator('[data-testid="stException"]').count():
+    if page.locator(dom.EXCEPTION).count():
         raise RuntimeError(f"lesson step {step} raised: {page.inner_text('body')[:300]}")
     settle(page, timeout)
     return seconds
@@ -231,7 +233,7 @@ def lesson_steps(base: str, page, timeout: float) -> int:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     page.goto(f"{base}/Lessons", timeout=timeout * 1000)
-    radios = page.locator('[data-testid="stRadio"]').first.get_by_role("radio")
+    radios = page.locator(dom.RADIO).first.get_by_role("radio")
     try:
         radios.first.wait_for(state="attached", timeout=timeout * 1000)
     except PlaywrightTimeout:
@@ -297,6 +299,9 @@ def app(run: BenchRun) -> Section:
         log(f"  engine: {len(specs)} configurations, {len(prompts[0])} prompt tokens, {sizes.app_tokens} new tokens")
         engine_first = engine_run(0)
         with served_app(work / "server.log", env) as served, sync_playwright() as playwright:
+            section.add("server_started_plain", True, target="== True",
+                        note=f"the server was started as `{served.command}`: a plain streamlit run, no environment of "
+                             "its own (the settings name the bench's model and an empty result store)")
             browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
             idle_launcher = idle_class_chromium(chromium, work)
             idle_browser = None if idle_launcher is None else playwright.chromium.launch(
