@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -247,3 +248,33 @@ def test_kvpress_native_section_times_the_mapping_inside_one_run_too():
         assert figures[f"{press}_native_vs_press"].target == "<= 1.2"
         inside = figures[f"{press}_native_vs_own_forward"]
         assert inside.target == "<= 1.2" and inside.value >= 1.0
+
+
+
+def test_the_browsers_cpu_is_counted_from_the_processes_the_bench_launched_only(tmp_path):
+    """Chromium started by this process (through Playwright's driver) is counted; another chromium on the machine
+    (another engineer's, a CI job's) is not."""
+    from kvviz.bench.browser import browser_cpu_seconds, descendants
+
+    def process(pid: int, parent: int, name: str, ticks: int) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) S {parent} 0 0 0 0 0 0 0 0 0 {ticks} 0 0 0\n")
+        (tmp_path / str(pid) / "comm").write_text(f"{name}\n")
+
+    process(10, 1, "python", 0)  # the bench
+    process(11, 10, "node", 100)  # Playwright's driver
+    process(12, 11, "chromium", 300)  # the browser the bench launched, and its renderer
+    process(13, 12, "chromium", 200)
+    process(20, 1, "chromium", 5000)  # someone else's browser
+    assert sorted(descendants(10, tmp_path)) == [11, 12, 13]
+    tick = os.sysconf("SC_CLK_TCK")
+    assert browser_cpu_seconds(10, tmp_path) == pytest.approx(500 / tick)
+    real = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time; time.sleep(20)' & wait"])
+    try:
+        deadline = time.monotonic() + 10
+        while len(descendants(os.getpid())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert real.pid in descendants(os.getpid()) and len(descendants(os.getpid())) >= 2
+    finally:
+        real.kill()
+        real.wait()

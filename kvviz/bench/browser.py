@@ -19,6 +19,7 @@ from typing import NamedTuple
 from kvviz.bench import dom
 
 ROOT = Path(__file__).resolve().parents[2]
+PROC = Path("/proc")  # the kernel's process table
 SERVE_COMMAND = ("streamlit", "run", "app.py")  # what the bench starts, as a user would (plus flags)
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -60,10 +61,10 @@ class ProcessTimes(NamedTuple):
     system: float
 
 
-def process_times(pid: int) -> ProcessTimes:
-    """Process ``pid``'s :class:`ProcessTimes`; zeros once it is gone."""
+def process_times(pid: int, proc: Path = PROC) -> ProcessTimes:
+    """Process ``pid``'s :class:`ProcessTimes` (from ``proc``, the kernel's process table); zeros once it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = (proc / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return ProcessTimes(0.0, 0.0)
     tick = os.sysconf("SC_CLK_TCK")
@@ -75,10 +76,10 @@ def process_cpu_seconds(pid: int) -> float:
     return sum(process_times(pid))
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes ``pid`` started, and theirs, now running (from /proc; empty where there is none)."""
+def descendants(pid: int, proc: Path = PROC) -> list[int]:
+    """The processes ``pid`` started, and theirs, now running (read from ``proc``)."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat in proc.glob("[0-9]*/stat"):
         try:
             parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
@@ -92,18 +93,18 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def browser_cpu_seconds() -> float:
-    """CPU seconds the chromium processes this process launched (through Playwright's driver) have used so far: what
-    the bench's browser on the server's own cores takes from the model while it draws the page. Other browsers on
-    the machine (another engineer's, a CI job's) are not counted."""
+def browser_cpu_seconds(launcher: int | None = None, proc: Path = PROC) -> float:
+    """CPU seconds the chromium processes that ``launcher`` (this process by default) started, through Playwright's
+    driver, have used so far: what the bench's browser on the server's own cores takes from the model while it draws
+    the page. Other browsers on the machine (another engineer's, a CI job's) are not counted."""
     total = 0.0
-    for pid in descendants(os.getpid()):
+    for pid in descendants(os.getpid() if launcher is None else launcher, proc):
         try:
-            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            name = (proc / str(pid) / "comm").read_text().strip()
         except OSError:
             continue
         if name.startswith(("chrom", "headless_shell")):
-            total += process_cpu_seconds(pid)
+            total += sum(process_times(pid, proc))
     return total
 
 
