@@ -8,7 +8,7 @@ run admitted beside others adds its whole work to every step of theirs, and its 
 nobody's result comes before the end. Measured on the 2-core CPU (``python -m kvviz bench --sections classroom``,
 docs/performance.md): 30 short comparisons (two configurations on a ~30-token prompt, some 80 positions each) all done
 in 0.48x of the time one at a time, eight decoding together, and every wait shorter (0.29-0.37x while runs one at a
-time still lost a third of the cores to OpenMP's pools, :mod:`kvviz.runtime.threads`); four comparisons of six
+time still lost a third of the cores to OpenMP's pools, :mod:`kvviz.runtime.engine`); four comparisons of six
 configurations on 2K-token uploads (12K positions each) all done in 0.78x together, but the median student waited 66 s
 against 41 s one at a time. With four students, pairs could keep the median and the 95th percentile only if two
 uploads together took at most 1.5 times one alone; the linear layers are the only part of a step a batch shares.
