@@ -181,3 +181,16 @@ def test_the_queue_starts_runs_as_the_admission_policy_admits_them():
     for ticket in tickets:
         assert ticket.done.wait(5) and ticket.status == DONE
     assert running[2:] == [{"upload"}, {"s3"}], "the upload alone, then the short run behind it"
+
+
+def test_a_closed_scheduler_serves_what_it_was_given_then_its_workers_end():
+    queue = Scheduler(together=2)
+    gate, job = _blocker()
+    tickets = [queue.submit("a", job), queue.submit("b", lambda progress: "b"), queue.submit("a", lambda progress: 1)]
+    queue.close()
+    gate.set()
+    for ticket in tickets:
+        assert ticket.done.wait(5) and ticket.status == DONE
+    for worker in queue._workers:
+        worker.join(5)
+        assert not worker.is_alive()

@@ -104,6 +104,7 @@ class Scheduler:
         self._numbers = itertools.count(1)
         self._running: list[Ticket] = []
         self.most_at_once = 0  # the most runs that were in progress at once
+        self._closing = False
         self._workers = [threading.Thread(target=self._work, name=f"kvviz-run-queue-{i}", daemon=True)
                          for i in range(max(1, together))]
         for worker in self._workers:
@@ -140,10 +141,18 @@ class Scheduler:
             order.extend(t for t in round_ if t is not None)
         return order
 
-    def _next(self) -> Ticket:
+    def close(self) -> None:
+        """Let the workers end once the runs queued and in progress are done (a bench's class, served once)."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+
+    def _next(self) -> Ticket | None:
         with self._lock:
             while True:
                 self._drop_stale()
+                if self._closing and not self._per_user:
+                    return None
                 running_users = {ticket.user for ticket in self._running}
                 user = next((user for user in self._per_user if user not in running_users), None)
                 if user is not None and self.admission.admits([ticket.size for ticket in self._running],
@@ -187,8 +196,7 @@ class Scheduler:
         ticket.done.set()
 
     def _work(self) -> None:
-        while True:
-            ticket = self._next()
+        while (ticket := self._next()) is not None:
 
             def report(fraction: float, message: str, ticket: Ticket = ticket) -> None:
                 if ticket.cancel_requested or self._abandoned(ticket, time.monotonic()):

@@ -60,6 +60,7 @@ def serve_class(loaded: LoadedModel, requests: list[RunRequest], admission: Admi
     started = time.monotonic()  # the clock tickets keep
     tickets = [scheduler.submit(f"student-{index}", lambda progress, r=request: r.run(loaded, progress),
                                 request.run_size(loaded)) for index, request in enumerate(requests)]
+    scheduler.close()
     for ticket in tickets:
         ticket.done.wait()
         if ticket.status != DONE:
