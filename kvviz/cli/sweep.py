@@ -43,6 +43,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="shares of the full cache in (0, 1] (default 0.0625,0.125,0.25,0.5)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
     parser.add_argument("--markdown", action="store_true", help="print one Markdown table row per point")
+    options.add_block_size_option(parser)
     parser.add_argument("--ray", nargs="?", const=LOCAL, metavar="ADDRESS",
                         help="measure in shards on Ray workers, each shard stored as it finishes (a rerun measures "
                              "only what is missing): alone, a local Ray instance on 127.0.0.1; with an address "
@@ -106,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.method:
         raise UsageError("give at least one --method SPEC (a family such as snapkv, kivi or snapkv+kivi:bits=4)")
     budgets = options.numbers(args.budgets, float, "--budgets")
+    block_size = options.block_size(args)
     task = TaskWorkload(args.task, args.task_length, args.items, args.seed) if args.task else None
     try:  # every mistake in one line, before any model work
         check_sweep(args.method, budgets, task)
@@ -123,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = TextWorkload(args.play, args.play_tokens) if args.play is not None else task
     request = SweepRequest(workload, tuple(args.method), tuple(budgets), cluster,
-                           None if cluster is None else options.model_source(args))
+                           None if cluster is None else options.model_source(args), block_size)
     try:
         report = request.compute(loaded, progress_unless(args.quiet))
     except ClusterError as error:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.methods import MethodStack, Sizing, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
@@ -152,6 +153,7 @@ class SweepPoint:
     factors: dict | None = None  # the formula's split: architecture, eviction, quantization
     full_precision_bytes: int | None = None  # of kv_bytes, those held unquantized (a quantizer's residual)
     frontier: bool = False  # on the frontier of the workload's main measure
+    layout_bytes: dict | None = None  # mean over items of what each serving layout would hold (kvviz.cache.layouts)
     outcomes: list[Outcome] = field(default_factory=list)
     error: str | None = None
 
@@ -186,6 +188,7 @@ class SweepReport:
     cliffs: dict[str, Cliff | None] = field(default_factory=dict)  # family SPEC -> its cliff
     rules: dict[str, str] = field(default_factory=dict)  # how intervals and answers are read
     shard_run: ShardRun | None = None  # how a sharded sweep ran (workers, shards, reused); None in process
+    block_size: int = DEFAULT_BLOCK_SIZE  # token slots per block of the paged layouts in each point's layout_bytes
 
     @property
     def main_measure(self) -> str:
@@ -198,13 +201,14 @@ class SweepReport:
                 "families": [asdict(f) | {"describe": f.describe(), "cliff": _cliff_json(self.cliffs.get(f.spec))}
                              for f in self.families],
                 "points": [p.to_json() for p in self.points], "frontiers": self.frontiers, "summary": self.summary,
-                "notes": self.notes, "seconds": round(self.seconds, 3),
+                "notes": self.notes, "seconds": round(self.seconds, 3), "block_size": self.block_size,
                 **(self.shard_run.to_json() if self.shard_run is not None else {})}
 
     def to_frame(self):
         import pandas as pd
 
-        rows = [{k: v for k, v in p.to_json().items() if k not in ("factors", "outcomes")} for p in self.points]
+        dropped = ("factors", "outcomes", "layout_bytes")
+        rows = [{k: v for k, v in p.to_json().items() if k not in dropped} for p in self.points]
         return pd.DataFrame(rows)
 
     def markdown(self) -> str:
@@ -238,20 +242,22 @@ SCOPE_NOTES = {
 }
 
 
-def in_process(loaded: LoadedModel, workload: Workload) -> RowSource:
+def in_process(loaded: LoadedModel, workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE) -> RowSource:
     """Every item measured here, in one go."""
     def measure(specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun | None]:
-        return measure_rows(loaded, workload, specs, None, progress), None
+        return measure_rows(loaded, workload, specs, None, progress, block_size), None
 
     return measure
 
 
 def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets: list[float] = DEFAULT_BUDGETS,
-              progress: Progress | None = None, rows: RowSource | None = None) -> SweepReport:
+              progress: Progress | None = None, rows: RowSource | None = None,
+              block_size: int = DEFAULT_BLOCK_SIZE) -> SweepReport:
     """Measure every family at every budget on ``workload`` (full first, the reference), then mark the frontiers,
     which points are indistinguishable from full, and each family's cliff. ``rows`` measures elsewhere (shards on
     a cluster); by default this process measures every item. ValueError (SpecError, PromptError included) for bad
-    arguments, before any model work."""
+    arguments, before any model work. Layouts page in blocks of ``block_size`` token slots (``rows`` measures
+    with the same)."""
     check_sweep(list(specs), list(budgets), workload)
     card = model_card(loaded)
     sizing = Sizing(workload.sizing_length(), card.kv_heads, card.head_dim, card.bytes_per_element)
@@ -260,7 +266,7 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     full = Family("full", None, (), "fixed")
     planned = [(full, None, "full"), *planned]
     points = [SweepPoint(spec, family.spec, family.kind, share) for family, share, spec in planned]
-    measured_rows, shard_run = (rows or in_process(loaded, workload))([p.spec for p in points], progress)
+    measured_rows, shard_run = (rows or in_process(loaded, workload, block_size))([p.spec for p in points], progress)
     measured: Measured = fill_points(workload, points, measured_rows)
     notes = measured.notes + budget_reversals(points)
     frontiers = {}
@@ -297,7 +303,7 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
         progress(1.0, "done")
     return SweepReport(loaded.name, workload.describe(), workload.kind, measured.prompt_tokens, list(budgets),
                        families, points, frontiers, summary, time.perf_counter() - started, notes, measured.items,
-                       cliffs, rules, shard_run)
+                       cliffs, rules, shard_run, block_size)
 
 
 def mark_like_full(points: list[SweepPoint], interval_key: str | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.engine.batched import decode_prompts
 from kvviz.engine.results import MethodResult
 from kvviz.engine.session import BOTH, FORCED, FREE
@@ -66,6 +67,7 @@ class Cell:
     kl_per_step: list[float] = field(default_factory=list)
     first_divergence: int | None = None
     perplexity: float | None = None
+    layout_bytes: dict | None = None  # what each serving layout would hold (kvviz.cache.layouts); None for a play
 
 
 @dataclass
@@ -100,10 +102,11 @@ def item_count(workload: Workload) -> int:
 
 
 def measure_rows(loaded: LoadedModel, workload: Workload, specs: list[str], indices: Sequence[int] | None = None,
-                 progress: Progress | None = None) -> Rows:
-    """Every SPEC (``full`` first) on the items at ``indices`` (all when None), as :class:`Rows`."""
+                 progress: Progress | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
+    """Every SPEC (``full`` first) on the items at ``indices`` (all when None), as :class:`Rows`; layouts page in
+    blocks of ``block_size`` token slots."""
     chosen = range(item_count(workload)) if indices is None else indices
-    return ROWS_OF[workload.kind](loaded, workload, specs, list(chosen), progress)
+    return ROWS_OF[workload.kind](loaded, workload, specs, list(chosen), progress, block_size)
 
 
 def fill_points(workload: Workload, points: list, rows: Rows) -> Measured:
@@ -111,12 +114,14 @@ def fill_points(workload: Workload, points: list, rows: Rows) -> Measured:
     return FILL_OF[workload.kind](workload, points, rows)
 
 
-def cell_of(result: MethodResult, outcome: Outcome | None = None) -> Cell:
+def cell_of(result: MethodResult, outcome: Outcome | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Cell:
     factors = result.axis_factors
+    layouts = result.layout_bytes(block_size)
     return Cell(result.error, result.kv_bytes, result.kv_bytes_full, result.kv_breakdown.full_precision,
                 None if factors is None else {"architecture": factors.architecture, "eviction": factors.eviction,
                                               "quantization": factors.quantization},
-                outcome, list(result.kl_per_step), result.first_divergence)
+                outcome, list(result.kl_per_step), result.first_divergence,
+                layout_bytes=None if layouts is None else layouts.to_json())
 
 
 def fill_bytes(point, cells: list[Cell], fulls: list[Cell]) -> None:
@@ -125,6 +130,9 @@ def fill_bytes(point, cells: list[Cell], fulls: list[Cell]) -> None:
     point.kv_bytes_full = round(sum(c.kv_bytes_full for c in fulls) / len(fulls))
     point.full_precision_bytes = round(sum(c.full_precision_bytes for c in cells) / len(cells))
     point.factors = cells[0].factors
+    if all(c.layout_bytes for c in cells):
+        point.layout_bytes = {name: round(sum(c.layout_bytes[name] for c in cells) / len(cells))
+                              for name in cells[0].layout_bytes}
 
 
 def first_error(cells: list[Cell]) -> str | None:
@@ -142,7 +150,7 @@ def fill_accuracy(point, outcomes: list[Outcome]) -> None:
 
 
 def task_rows(loaded: LoadedModel, workload: TaskWorkload, specs: list[str], indices: list[int],
-              progress: Progress | None) -> Rows:
+              progress: Progress | None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
     """The task's items at ``indices``, free-running, all configurations of a wave of items in one batch; an item
     is kept (scored) only where full answers it right."""
     every = spread_items(loaded.tokenizer, workload.task, workload.length, workload.items, workload.seed)
@@ -162,7 +170,7 @@ def task_rows(loaded: LoadedModel, workload: TaskWorkload, specs: list[str], ind
                 outcome = Outcome(item.item_id, correct, cause="" if correct else failure_cause(
                     item, checks, fates, quantizes), evicted={f.label: len(f.evicted_layers) for f in fates
                                                               if f.evicted}, answer=result.text.strip())
-            cells.append(cell_of(result, outcome))
+            cells.append(cell_of(result, outcome, block_size))
         rows.listing.append({"id": item.item_id, "prompt": loaded.tokenizer.decode(item.ids),
                              "expected": item.expected, "depth": item.depth, "kept": kept})
         rows.kept.append(kept)
@@ -191,7 +199,7 @@ def fill_task(workload: TaskWorkload, points: list, rows: Rows) -> Measured:
 
 
 def prompt_rows(loaded: LoadedModel, workload: PromptWorkload, specs: list[str], indices: list[int],
-                progress: Progress | None) -> Rows:
+                progress: Progress | None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
     """The prompts at ``indices`` in one batch per wave: teacher-forced agreement and KL on every prompt; with
     answers also free-running outputs, a prompt kept for accuracy where full's output holds its answer."""
     answered = workload.answered
@@ -203,7 +211,7 @@ def prompt_rows(loaded: LoadedModel, workload: PromptWorkload, specs: list[str],
         kept = answered and results[0].error is None and answer_found(prompt.answer, results[0].text)
         rows.cells.append([cell_of(result, Outcome(
             prompt.name, answer_found(prompt.answer, result.text) if kept else None, result.agreement_with_full,
-            result.mean_kl, answer=result.text.strip() if answered else "")) for result in results])
+            result.mean_kl, answer=result.text.strip() if answered else ""), block_size) for result in results])
         rows.listing.append({"id": prompt.name, "prompt": prompt.text, "expected": prompt.answer})
         rows.kept.append(kept)
         rows.tokens.append(len(prompt.ids))
@@ -242,8 +250,9 @@ def fill_prompts(workload: PromptWorkload, points: list, rows: Rows) -> Measured
 
 
 def text_rows(loaded: LoadedModel, workload: TextWorkload, specs: list[str], indices: list[int],
-              progress: Progress | None) -> Rows:
-    """Streaming perplexity of every SPEC on the play (its one item), all of them fed each token in one forward."""
+              progress: Progress | None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
+    """Streaming perplexity of every SPEC on the play (its one item), all of them fed each token in one forward
+    (no ledger: no layout bytes)."""
     try:
         text = play_text(workload.play)
     except LookupError as error:
