@@ -129,3 +129,10 @@ def test_the_ledger_gives_the_tokens_cached_at_the_end():
 def test_a_block_holds_at_least_one_slot():
     with pytest.raises(ValueError, match="block size"):
         layouts(full_mask(), block=0)
+
+
+def test_the_share_freed_is_read_against_full_in_the_same_layout():
+    kept = torch.zeros(LAYERS, HEADS, TOKENS, dtype=torch.bool)
+    kept[..., TOKENS // 2:] = True
+    freed = layouts(kept).freed(layouts(full_mask()))
+    assert freed["counted"] == freed["paged_shared"] == freed["paged_per_head"] == 0.5

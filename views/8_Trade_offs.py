@@ -4,6 +4,7 @@ import json
 
 import streamlit as st
 
+from kvviz.cache.layouts import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LABELS, MEANINGS
 from kvviz.engine.session import PromptError
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError
@@ -34,7 +35,8 @@ page_header("Trade-offs", "Trade-offs: quality against memory",
             "one method (or stack) with one parameter left free, swept across the budgets; every point is "
             "measured on many items and carries its 95% interval, so two configurations are only ranked when the "
             "evidence separates them. The frontier marks the configurations nothing beats on memory and quality.",
-            link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "items", "seed", "play", "tokens"))
+            link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "items", "seed", "play", "tokens",
+                           "block", "x"))
 
 loaded = require_model()
 limits = settings()
@@ -79,6 +81,10 @@ with st.sidebar:
                                 f"±14 points around 80%. This server allows up to {limits.max_items}.")
     seed = number_setting("Seed", "seed", 0, 0, 1_000_000, key="sweep_seed", disabled=workload_kind != "task",
                           help="Which items: the same seed gives the same items for every configuration and run.")
+    block_size = choice_setting("Block size (token slots)", "block", BLOCK_SIZES, DEFAULT_BLOCK_SIZE,
+                                key="sweep_block", cast=int, disabled=workload_kind == "text",
+                                help="Of the paged layouts the x-axis can count memory in (vLLM's default is 16). "
+                                     "A new size measures the sweep again.")
 
 workload = None
 prompt_text: str | None = None
@@ -133,7 +139,7 @@ specs = list(dict.fromkeys([*families, *extra.split()]))
 share_settings(w=workload_kind, m=specs, b=sorted(budgets), n=int(max_new), chat=chat,
                **({"task": task, "len": task_length, "items": int(items), "seed": int(seed)}
                   if workload_kind == "task" else {}),
-               **({"play": play, "tokens": play_tokens} if workload_kind == "text" else {}))
+               **({"play": play, "tokens": play_tokens} if workload_kind == "text" else {}), block=block_size)
 
 problem = None
 try:
@@ -142,7 +148,8 @@ except ValueError as error:
     problem = str(error)
     st.error(problem)
 asked = (None if problem is not None or workload is None
-         else SweepRequest(workload, tuple(specs), tuple(sorted(budgets)), sweep_cluster(limits.ray_address)))
+         else SweepRequest(workload, tuple(specs), tuple(sorted(budgets)), sweep_cluster(limits.ray_address),
+                           block_size=int(block_size)))
 if run_button("Run the sweep", "sweep_request", asked, disabled=asked is None):
     st.session_state["sweep_prompt"] = (prompt_text, chat)
 
@@ -165,7 +172,15 @@ measure = report.main_measure
 if len(report.frontiers) > 1:
     measure = st.radio("Quality measure", list(report.frontiers), format_func=lambda k: MEASURES[k].label,
                        horizontal=True, key="sweep_measure")
-st.plotly_chart(plots.tradeoff_figure(report, measure), width="stretch")
+layout = "counted"
+if any(p.layout_bytes for p in report.points):  # a play's streaming perplexity keeps no ledger: counted bytes only
+    layout = choice_setting("Memory on the x-axis", "x", list(LABELS), "counted", key="sweep_layout",
+                            widget=st.radio, format_func=LABELS.get, horizontal=True,
+                            help="Counted: the bytes kvviz holds. The others: what a serving engine's layout would "
+                                 f"hold for the same kept tokens, in blocks of {report.block_size} token slots.")
+    share_settings(x=layout)
+    st.caption(f"{LABELS[layout].capitalize()}: {MEANINGS[layout]}.")
+st.plotly_chart(plots.tradeoff_figure(report, measure, layout), width="stretch")
 
 prompt, prompt_chat = st.session_state.get("sweep_prompt", (None, True))
 on_items = isinstance(request.workload, TaskWorkload)

@@ -26,6 +26,7 @@ import torch
 from kvviz.cache.ledger import KEPT, EvictionLedger
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size (token slots per block)
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128)  # the pages' choices: 1 is no paging loss, 8-32 what vLLM's kernels take
 LAYOUTS = ("counted", "dense_per_layer", "paged_shared", "paged_shared_compacted", "paged_per_head")
 MEANINGS = {
     "counted": "the tensors kvviz holds: codes, metadata and full-precision parts of every kept entry",
@@ -58,6 +59,19 @@ class LayoutBytes:
     def to_json(self) -> dict[str, int]:
         """The five layouts by name (the block size travels once, at the top of a report)."""
         return {name: value for name, value in asdict(self).items() if name != "block_size"}
+
+    def freed(self, full: LayoutBytes) -> dict[str, float]:
+        """The share of the full cache each layout frees: 1 - these bytes / full's bytes in the same layout."""
+        return {name: 1 - getattr(self, name) / getattr(full, name) if getattr(full, name) else 0.0
+                for name in LAYOUTS}
+
+
+def compression_in(layout: str, held: dict[str, int] | None, full: dict[str, int] | None) -> float | None:
+    """How many times smaller than the full cache a configuration is in ``layout`` (full's bytes in the same
+    layout over its own), from two ``layout_bytes`` dicts; None where either is missing."""
+    if not held or not full or not held.get(layout):
+        return None
+    return full[layout] / held[layout]
 
 
 def check_block_size(block_size: int) -> int:

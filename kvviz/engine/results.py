@@ -104,6 +104,11 @@ class Comparison:
             "results": [r.to_json(with_ledger, block_size) for r in self.results],
         }
 
+    def layouts(self, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, LayoutBytes]:
+        """Each finished configuration's bytes under every serving layout (:mod:`kvviz.cache.layouts`)."""
+        found = {r.method: r.layout_bytes(block_size) for r in self.results}
+        return {method: layouts for method, layouts in found.items() if layouts is not None}
+
     def by_method(self, method: str) -> MethodResult:
         return next(r for r in self.results if r.method == method)
 
