@@ -397,3 +397,42 @@ def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server)
             shoot(page, "tradeoffs-items", anchor="Every item, every budget")
         finally:
             browser.close()
+
+
+def test_compare_and_trade_offs_show_what_each_serving_layout_would_hold(server):
+    """Compare's memory diagnostic draws every layout per configuration at blocks of 16; Trade-offs counts its
+    x-axis in a layout the link names (a single prompt: quick)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = _browser(playwright)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(f"{server}/Compare?show=Memory&n=4", timeout=120_000)
+            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
+            settle(page)
+            page.get_by_role("button", name="Run comparison").click()
+            page.get_by_text("What a serving engine would free").wait_for(timeout=300_000)
+            settle(page)
+            no_exception(page)
+            body = page.inner_text("body")
+            assert "paged, shared blocks" in body and "KV-Compress" in body and "Block size" in body
+            page.locator(".js-plotly-plot").nth(2).wait_for(timeout=60_000)
+            chart = page.locator(".js-plotly-plot").nth(2).inner_text()
+            assert "blocks of 16 token slots" in chart and "paged per head" in chart
+            shoot(page, "compare-layouts", element=".js-plotly-plot >> nth=2")
+
+            page.goto(f"{server}/Trade_offs?w=prompt&m=streaming_llm&m=snapkv&b=0.125&b=0.25&b=0.5&n=4"
+                      "&x=paged_shared", timeout=120_000)
+            page.get_by_role("button", name="Run the sweep").wait_for(timeout=180_000)
+            settle(page)
+            page.get_by_role("button", name="Run the sweep").click()
+            page.get_by_text("Memory on the x-axis").wait_for(timeout=600_000)
+            settle(page)
+            no_exception(page)
+            page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
+            chart = page.locator(".js-plotly-plot").first.inner_text()
+            assert "paged, shared blocks" in chart
+            shoot(page, "tradeoffs-layouts", element=".js-plotly-plot")
+        finally:
+            browser.close()

@@ -136,3 +136,20 @@ def test_the_share_freed_is_read_against_full_in_the_same_layout():
     kept[..., TOKENS // 2:] = True
     freed = layouts(kept).freed(layouts(full_mask()))
     assert freed["counted"] == freed["paged_shared"] == freed["paged_per_head"] == 0.5
+
+
+@pytest.mark.slow
+def test_on_the_real_model_a_2k_prompt_shows_what_each_layout_eats(real_model):
+    """The issue's acceptance on SmolLM2 (30 layers x 3 KV heads), hamlet's first 2,000 tokens, blocks of 16."""
+    from kvviz.engine.session import compare
+    from kvviz.studies.perplexity import play_text
+
+    ids = real_model.tokenizer(play_text("hamlet"))["input_ids"][:2000]
+    comparison = compare(real_model, ids, ["full", "snapkv:budget=0.25", "streaming_llm:window=0.25",
+                                           "adakv:ratio=0.75"], 1)
+    held = comparison.layouts(16)
+    full = held["full"]
+    snapkv, window, adakv = held["snapkv:budget=0.25"], held["streaming_llm:window=0.25"], held["adakv:ratio=0.75"]
+    assert snapkv.counted < 0.3 * full.counted and snapkv.paged_shared >= 0.8 * full.paged_shared
+    assert window.paged_shared <= 1.1 * window.counted
+    assert adakv.dense_per_layer > adakv.counted
