@@ -42,13 +42,16 @@ def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0, page.inner_text("body")[:2000]
 
 
-def shoot(page, name: str, anchor: str | None = None, element: str | None = None) -> None:
+def shoot(page, name: str, anchor: str | None = None, element: str | None = None, lift: int = 0) -> None:
     """Screenshot the page, scrolled so that the heading ``anchor`` (or the first ``element``, a CSS selector) is at
-    the top when given."""
+    the top when given, then ``lift`` pixels back up (what the page's sticky header covers)."""
     target = page.get_by_role("heading", name=anchor) if anchor is not None else None
     target = page.locator(element) if element is not None else target
     if target is not None:
         target.first.evaluate("element => element.scrollIntoView()")
+        if lift:
+            page.mouse.move(800, 500)  # over the main column, not the sidebar
+            page.mouse.wheel(0, -lift)
         page.wait_for_timeout(500)
     SHOTS.mkdir(parents=True, exist_ok=True)
     path = SHOTS / f"{name}.png"
@@ -420,7 +423,8 @@ def test_compare_and_trade_offs_show_what_each_serving_layout_would_hold(server)
             page.locator(".js-plotly-plot").nth(2).wait_for(timeout=60_000)
             chart = page.locator(".js-plotly-plot").nth(2).inner_text()
             assert "blocks of 16 token slots" in chart and "paged per head" in chart
-            shoot(page, "compare-layouts", element=".js-plotly-plot >> nth=2")
+            shoot(page, "compare-layouts", element="text=What a serving engine would free",
+                  lift=120)
 
             page.goto(f"{server}/Trade_offs?w=prompt&m=streaming_llm&m=snapkv&b=0.125&b=0.25&b=0.5&n=4"
                       "&x=paged_shared", timeout=120_000)
@@ -433,6 +437,6 @@ def test_compare_and_trade_offs_show_what_each_serving_layout_would_hold(server)
             page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
             chart = page.locator(".js-plotly-plot").first.inner_text()
             assert "paged, shared blocks" in chart
-            shoot(page, "tradeoffs-layouts", element=".js-plotly-plot")
+            shoot(page, "tradeoffs-layouts", element="text=Memory on the x-axis", lift=120)
         finally:
             browser.close()
