@@ -231,7 +231,8 @@ class SweepRequest(RunRequest):
         if self.cluster is not None:
             source = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
             rows = sharded_rows(self.cluster, source, self.workload, ResultStore.default(), self.block_size)
-        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows, self.block_size)
+        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows,
+                         block_size=self.block_size)
 
 
 @dataclass

@@ -137,8 +137,8 @@ def test_switching_the_tradeoff_x_axis_to_a_layout_moves_a_family_s_curve():
 
     points = [point("full", None, 1000, 1024), point("snapkv:budget=0.25", 0.25, 250, 1000),
               point("snapkv:budget=0.5", 0.5, 500, 1024)]
-    report = SweepReport("m", "one prompt", "prompt", 100, [0.25, 0.5], [], points,
-                         {"agreement_with_full": ["full"]}, [], 1.0)
+    report = SweepReport("m", "one prompt", "prompt", 100, [0.25, 0.5], [], points, ["agreement_with_full"], 1.0,
+                         frontiers={"agreement_with_full": ["full"]})
     counted = plots.tradeoff_figure(report, "agreement_with_full")
     paged = plots.tradeoff_figure(report, "agreement_with_full", "paged_shared")
     family = next(t for t in counted.data if t.name == "snapkv")
