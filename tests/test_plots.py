@@ -145,3 +145,5 @@ def test_switching_the_tradeoff_x_axis_to_a_layout_moves_a_family_s_curve():
     moved = next(t for t in paged.data if t.name == "snapkv")
     assert list(family.x) == [4.0, 2.0] and list(moved.x) == [1.024, 1.0]
     assert "paged, shared blocks" in paged.layout.xaxis.title.text
+    frontier = [t for t in paged.data if t.name == "frontier"]
+    assert not frontier or not list(frontier[0].x), "the counted frontier is not drawn in another layout"

@@ -202,7 +202,9 @@ if any(p.layout_bytes for p in report.points):  # a play's streaming perplexity 
                             help="Counted: the bytes kvviz holds. The others: what a serving engine's layout would "
                                  f"hold for the same kept tokens, in blocks of {report.block_size} token slots.")
     share_settings(x=layout)
-    st.caption(f"{LABELS[layout].capitalize()}: {MEANINGS[layout]}.")
+    st.caption(f"{LABELS[layout].capitalize()}: {MEANINGS[layout]}."
+               + ("" if layout == "counted" else " Each point and its cliff move to what this layout would hold; "
+                  "the verdicts and the frontier are read on counted bytes, so the frontier is not drawn."))
 st.plotly_chart(plots.tradeoff_figure(report, measure, layout), width="stretch")
 
 prompt, prompt_chat = st.session_state.get("sweep_prompt", (None, True))

@@ -62,7 +62,8 @@ def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counte
         low, high = getattr(full, interval)
         figure.add_hrect(y0=low, y1=high, fillcolor="rgba(120, 120, 120, 0.15)", line_width=0,
                          annotation_text="full's 95% interval", annotation_position="bottom left")
-    frontier = sorted((p for p in points if p.spec in report.frontiers.get(measure_key, [])),
+    # the frontier is found on counted bytes: in another layout's coordinates it is no frontier, so it is not drawn
+    frontier = sorted((p for p in points if p.spec in report.frontiers.get(measure_key, []) and layout == "counted"),
                       key=lambda p: x[p.spec])
     figure.add_trace(go.Scatter(x=[x[p.spec] for p in frontier], y=[getattr(p, measure_key) for p in frontier],
                                 name="frontier", mode="lines", hoverinfo="skip",  # first: under the families' lines
