@@ -131,6 +131,15 @@ def test_lessons_step_runs_live(step):
     assert any(c.value.startswith("Most attended") for c in app.caption)
 
 
+def test_lessons_levers_step_says_what_a_paged_engine_would_keep():
+    app = page("5_Lessons.py", step="2")
+    assert any("paged serving engine" in m.value for m in app.markdown)
+    app.button(key="lesson_button_2").click().run()
+    assert not app.exception and not app.error, texts(app.error)
+    kept = [c.value for c in app.caption if "shared blocks of 16" in c.value]
+    assert kept and "of full's blocks (it counts" in kept[0]
+
+
 def test_lessons_every_step_renders_with_its_link():
     app = page("5_Lessons.py", step="1")
     for index in range(len(app.radio(key="step").options)):
