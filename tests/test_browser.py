@@ -42,16 +42,13 @@ def no_exception(page) -> None:
     assert page.locator('[data-testid="stException"]').count() == 0, page.inner_text("body")[:2000]
 
 
-def shoot(page, name: str, anchor: str | None = None, element: str | None = None, lift: int = 0) -> None:
+def shoot(page, name: str, anchor: str | None = None, element: str | None = None) -> None:
     """Screenshot the page, scrolled so that the heading ``anchor`` (or the first ``element``, a CSS selector) is at
-    the top when given, then ``lift`` pixels back up (what the page's sticky header covers)."""
+    the top when given."""
     target = page.get_by_role("heading", name=anchor) if anchor is not None else None
     target = page.locator(element) if element is not None else target
     if target is not None:
         target.first.evaluate("element => element.scrollIntoView()")
-        if lift:
-            page.mouse.move(800, 500)  # over the main column, not the sidebar
-            page.mouse.wheel(0, -lift)
         page.wait_for_timeout(500)
     SHOTS.mkdir(parents=True, exist_ok=True)
     path = SHOTS / f"{name}.png"
@@ -400,45 +397,5 @@ def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server)
             assert "frontier" in chart and "full's 95% interval" in chart
             shoot(page, "tradeoffs", element=".js-plotly-plot")
             shoot(page, "tradeoffs-items", anchor="Every item, every budget")
-        finally:
-            browser.close()
-
-
-def test_compare_and_trade_offs_show_what_each_serving_layout_would_hold(server):
-    """Compare's memory diagnostic draws every layout per configuration at blocks of 16; Trade-offs counts its
-    x-axis in a layout the link names (a single prompt: quick)."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = _browser(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{server}/Compare?show=Memory&n=4", timeout=120_000)
-            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
-            settle(page)
-            page.get_by_role("button", name="Run comparison").click()
-            page.get_by_text("What a serving engine would free").wait_for(timeout=300_000)
-            settle(page)
-            no_exception(page)
-            body = page.inner_text("body")
-            assert "paged, shared blocks" in body and "KV-Compress" in body and "Block size" in body
-            page.locator(".js-plotly-plot").nth(2).wait_for(timeout=60_000)
-            chart = page.locator(".js-plotly-plot").nth(2).inner_text()
-            assert "blocks of 16 token slots" in chart and "paged per head" in chart
-            shoot(page, "compare-layouts", element="text=What a serving engine would free",
-                  lift=120)
-
-            page.goto(f"{server}/Trade_offs?w=prompt&m=streaming_llm&m=snapkv&b=0.125&b=0.25&b=0.5&n=4"
-                      "&x=paged_shared", timeout=120_000)
-            page.get_by_role("button", name="Run the sweep").wait_for(timeout=180_000)
-            settle(page)
-            page.get_by_role("button", name="Run the sweep").click()
-            page.get_by_text("Memory on the x-axis").wait_for(timeout=600_000)
-            settle(page)
-            no_exception(page)
-            page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
-            chart = page.locator(".js-plotly-plot").first.inner_text()
-            assert "paged, shared blocks" in chart
-            shoot(page, "tradeoffs-layouts", element="text=Memory on the x-axis", lift=120)
         finally:
             browser.close()
