@@ -25,8 +25,9 @@ from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.cluster import ClusterConfig, ModelSource
-from kvviz.runtime.models import LoadedModel, cache_dir
+from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
+from kvviz.runtime.settings import results_folder
 from kvviz.studies.needle import NeedleReport, run_needle_grid
 from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
@@ -247,7 +248,7 @@ class ResultStore:
     @classmethod
     def default(cls) -> ResultStore:
         """``KVVIZ_RESULTS`` if set, else ``results/`` under kvviz's cache folder (``KVVIZ_CACHE``)."""
-        return cls(Path(os.environ.get("KVVIZ_RESULTS") or cache_dir() / "results"))
+        return cls(results_folder())
 
     def path(self, loaded: LoadedModel, request: RunRequest) -> Path:
         identity = (code_fingerprint(), request.kind, loaded.name, str(loaded.device), str(loaded.dtype), request)
