@@ -76,8 +76,8 @@ def environment_uses(source: str) -> list[str]:
         else:
             continue
         if uses:
-            found.append(f"{node.lineno}: {lines[node.lineno - 1].strip()}")
-    return found
+            found.append((node.lineno, f"{node.lineno}: {lines[node.lineno - 1].strip()}"))
+    return [use for _, use in sorted(found)]
 
 
 def test_only_the_settings_module_reads_the_environment():
