@@ -93,3 +93,48 @@ def test_the_readme_names_every_method_on_its_axis():
     rows = {kind: re.search(rf"^\| {kind} \|.*$", (ROOT / "README.md").read_text(), re.M) for kind in KINDS}
     named = {kind: set(re.findall(r"`(\w+)`", row.group(0))) for kind, row in rows.items() if row}
     assert named == {kind: {n for n, cls in REGISTRY.items() if cls.kind == kind} for kind in KINDS}
+
+
+def _figures_table() -> str:
+    text = (ROOT / "docs" / "performance.md").read_text()
+    return text.split("| target | figure | value |")[1].split("\n\n")[0]
+
+
+def test_every_target_the_bench_declares_has_a_current_figure():
+    table = _figures_table()
+    missing = [f"{section}.{figure}" for section, figure, _, _ in _tables_script().declared_targets()
+               if f"`{figure}`" not in table]
+    assert missing == [], "add a row to docs/performance.md's current figures"
+
+
+def test_the_current_figures_name_only_targets_the_bench_declares():
+    declared = {figure for _, figure, _, _ in _tables_script().declared_targets()}
+    named = set()
+    for row in _figures_table().splitlines()[2:]:
+        figure = row.split(" | ")[1]
+        if re.search(r"[<>=]=|[<>] ", figure):
+            named |= set(re.findall(r"`([^`]+)`", figure))
+    assert named - declared == set(), "a target no code checks"
+
+
+def test_the_benchmark_lists_every_section():
+    text = (ROOT / "docs" / "performance.md").read_text().split("## The benchmark")[1].split("\n## ")[0]
+    assert [s for s in _tables_script().section_order() if f"`{s}`" not in text] == []
+
+
+def test_the_target_reader_follows_conditions_locals_and_parameters():
+    import ast
+
+    tree = ast.parse("""
+def measure(section, loaded, bound):
+    name = f"{loaded.name}_vs_full"
+    section.add(name, 1.0, "x", "<= 0.5" if loaded.device == "cpu" else "")
+    section.add("same", True, target="== True")
+    section.add("both", 1.0, "x", bound)
+    section.add("untargeted", 1.0, "x")
+
+def run(section, loaded):
+    measure(section, loaded, "<= 2")
+""")
+    assert _tables_script().targets_in(tree) == [("*_vs_full", "<= 0.5", "on a CPU"), ("same", "== True", ""),
+                                                 ("both", "<= 2", "")]
