@@ -138,3 +138,30 @@ def run(section, loaded):
 """)
     assert _tables_script().targets_in(tree) == [("*_vs_full", "<= 0.5", "on a CPU"), ("same", "== True", ""),
                                                  ("both", "<= 2", "")]
+
+
+def test_the_architecture_quotes_compares_defaults():
+    import ast
+
+    tree = ast.parse((ROOT / "views" / "2_Compare.py").read_text())
+    specs = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                 and any(getattr(t, "id", "") == "DEFAULT_SPECS" for t in n.targets))
+    quoted = (ROOT / "docs" / "architecture.md").read_text().split("**Compare's defaults**")[1].split("\n\n")[0]
+    assert [spec for spec in specs if f"`{spec}`" not in quoted] == []
+
+
+def test_cli_md_names_every_field_of_a_cliff():
+    from dataclasses import fields
+
+    from kvviz.studies.frontier import Cliff
+
+    listed = re.search(r"^`cliff` is `\{([^}]*)\}`", (ROOT / "docs" / "cli.md").read_text(), flags=re.M).group(1)
+    assert re.findall(r'"(\w+)"', listed) == [f.name for f in fields(Cliff)] + ["sentence"]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+def test_the_page_tables_follow_the_sidebar(doc):
+    sidebar = re.findall(r'st\.Page\("views/[^"]+", title="([^"]+)"', (ROOT / "app.py").read_text())
+    rows = re.findall(r"^\| ([A-Z][\w -]+?) \| ", (ROOT / doc).read_text(), flags=re.M)
+    assert [row for row in rows if row in sidebar] == [title for title in sidebar if title in rows]
+    assert len([row for row in rows if row in sidebar]) >= 8
