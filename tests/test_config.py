@@ -17,6 +17,7 @@ from kvviz.runtime.settings import (
     ENTRY_POINT,
     GPU_CHECK,
     LOADING,
+    MAKEFILE,
     MAX_PROMPT_TOKENS,
     STORE,
     VARIABLES,
@@ -124,6 +125,12 @@ def test_every_variable_a_script_or_compose_reads_is_declared_with_its_default(r
         expected = {n: v.compose_default() if reader == COMPOSE and v.compose else v.default
                     for n, v in declared.items()}
         assert reads == expected, "a default given here differs from the declared one"
+
+
+def test_the_makefile_reads_what_the_declarations_say():
+    defaults = dict(re.findall(r"^(\w+) \?= (.*)$", (ROOT / MAKEFILE).read_text(), flags=re.M))
+    assert set(defaults) == {v.name for v in VARIABLES if MAKEFILE in v.read_by}
+    assert defaults["PORT"] == next(v.default for v in VARIABLES if v.name == "PORT")
 
 
 def test_compose_passes_every_setting_and_nothing_else():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (kvviz.runtime.models loads it from its wheel)
 
-# Who reads a variable (the table's "read by" column). The last three are files tests/test_config.py parses.
+# Who reads a variable (the table's "read by" column). The last four are files tests/test_config.py parses.
 APP = "app"  # through Settings.from_env: the app, and `python -m kvviz config`, which checks them
 CLI = "CLI"
 LOADING = "model loading"
@@ -27,6 +27,7 @@ HUB_LIBRARY = "Hugging Face libraries"  # they take a blank value as given, not 
 ENTRY_POINT = "docker/entrypoint.sh"
 COMPOSE = "compose.yaml"
 GPU_CHECK = "scripts/gpu_check.sh"
+MAKEFILE = "Makefile"  # its `NAME ?= default` lines: make takes NAME from the environment when it is set there
 TRUE = ("1", "true", "yes", "on")
 
 
@@ -108,10 +109,11 @@ VARIABLES: tuple[Variable, ...] = (
              read_by=(ENTRY_POINT,)),
     Variable("KVVIZ_ADDRESS", "0.0.0.0", "address the container's server listens on (compose publishes the "
              "container's port)", read_by=(ENTRY_POINT,), compose=False),
-    Variable("PORT", "8501", "port the container's server listens on (compose keeps 8501, where its port mapping and "
-             "the proxy point: set `KVVIZ_PORT`)", read_by=(ENTRY_POINT,), compose=False),
-    Variable("PYTHON", "python", "the interpreter the scripts run kvviz with", read_by=(ENTRY_POINT, GPU_CHECK),
-             shown="`python` (the GPU check: `.venv/bin/python`)", compose=False),
+    Variable("PORT", "8501", "port the server listens on (compose keeps the container's at 8501, where its port "
+             "mapping and the proxy point: set `KVVIZ_PORT`)", read_by=(ENTRY_POINT, MAKEFILE), compose=False),
+    Variable("PYTHON", "python", "the interpreter the scripts run kvviz with (make: the one that creates `.venv`)",
+             read_by=(ENTRY_POINT, GPU_CHECK, MAKEFILE),
+             shown="`python` (the GPU check: `.venv/bin/python`; make: `python3`)", compose=False),
     Variable("MALLOC_ARENA_MAX", "2", "glibc's arena cap the entry point starts the server with "
              "(kvviz/runtime/allocator.py says why)", read_by=(ENTRY_POINT,), compose=False),
     Variable("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python", "protobuf's implementation the entry point starts "
