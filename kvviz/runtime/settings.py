@@ -5,8 +5,8 @@ meaning, who reads it, what the image and compose.yaml pass). Python reads the e
 :meth:`Settings.from_env` for the app's settings, :meth:`Variable.value` for the few that loaders read (the cache
 folder, the result store, the hub), and :func:`child_environment` for a child process started with extra
 variables. :func:`variables_markdown` renders the table docs/deployment.md carries; tests/test_config.py checks the
-declarations against every reader (the shell scripts, compose.yaml, the Dockerfile) and that no other module reads
-``os.environ``.
+declarations against every reader (the shell scripts, the Makefile, compose.yaml, the Dockerfile) and that no other
+module reads ``os.environ``.
 """
 
 from __future__ import annotations
