@@ -2,9 +2,10 @@
 
 One local worker (as many torch threads as this process) measures the page's families on ``sweep_ray_items`` task
 items in two shards, in turns with the in-process sweep, so a slow spell of the machine hits both alike; the two
-reports must be equal. Starting the worker (Ray and the model) is timed apart: a server pays it once. The
-scheduling overhead per shard is a no-op job's round trip through the worker. On a 2-core CPU one process already
-uses both cores, so several workers cannot be faster here; scaling over GPUs needs a machine with several.
+reports must be equal. Starting the worker (Ray and the model) is timed apart: a command pays it once, a server once
+per spell of sweeps (it keeps its workers while they are wanted). The scheduling overhead per shard is a no-op job's
+round trip through the worker. On a 2-core CPU one process already uses both cores, so several workers cannot be
+faster here; scaling over GPUs needs a machine with several.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def _measure(run: BenchRun, section: Section, workload: TaskWorkload, config: Cl
     section.add("ray_scheduling_per_shard_ms", noop_seconds / NOOP_JOBS * 1000, "ms",
                 note=f"a no-op job's round trip through the worker, mean of {NOOP_JOBS}")
     section.add("ray_worker_start_seconds", start_seconds, "s",
-                note="Ray started locally and the model loaded in the worker: paid once per server or command")
+                note="Ray started locally and the model loaded in the worker: paid once per command, by a "
+                     "server once per spell of sweeps")
     section.add("sweep_ray_same_as_in_process", same, target="== True", note="every point and every item's outcome")
     section.add("ray_gpu_scaling", "not measured", note="several workers need several GPUs; this machine is a "
                                                           "2-core CPU, where one process already uses both cores")
