@@ -19,19 +19,22 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvviz.cache.capture import CaptureConfig
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.cache.stats import AttentionStats
 from kvviz.engine.results import Comparison
 from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.cluster import ClusterConfig, ModelSource
-from kvviz.runtime.models import LoadedModel, cache_dir
+from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
+from kvviz.runtime.settings import results_folder
 from kvviz.studies.needle import NeedleReport, run_needle_grid
 from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
 from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, run_sweep
 from kvviz.studies.sweep_ray import sharded_rows
+from kvviz.studies.sweep_shards import ModelKey, ShardKey
 from kvviz.studies.tail import TailReport, run_tail
 from kvviz.studies.workloads import Workload
 
@@ -230,13 +233,15 @@ class SweepRequest(RunRequest):
     # both give the same report, so the stored result is shared.
     cluster: ClusterConfig | None = field(default=None, compare=False, repr=False)
     worker_model: ModelSource | None = field(default=None, compare=False, repr=False)  # None: the loaded model's name
+    block_size: int = DEFAULT_BLOCK_SIZE  # token slots per block of the paged layouts (kvviz.cache.layouts)
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> SweepReport:
         rows = None
         if self.cluster is not None:
             source = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
-            rows = sharded_rows(self.cluster, source, self.workload, ResultStore.default())
-        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows)
+            rows = sharded_rows(self.cluster, source, self.workload, ResultStore.default(), self.block_size)
+        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows,
+                         block_size=self.block_size)
 
 
 @dataclass
@@ -254,13 +259,13 @@ class ResultStore:
     @classmethod
     def default(cls) -> ResultStore:
         """``KVVIZ_RESULTS`` if set, else ``results/`` under kvviz's cache folder (``KVVIZ_CACHE``)."""
-        return cls(Path(os.environ.get("KVVIZ_RESULTS") or cache_dir() / "results"))
+        return cls(results_folder())
 
-    def path(self, loaded: LoadedModel, request: RunRequest) -> Path:
+    def path(self, loaded: ModelKey, request: RunRequest | ShardKey) -> Path:
         identity = (code_fingerprint(), request.kind, loaded.name, str(loaded.device), str(loaded.dtype), request)
         return self.root / request.kind / f"{hashlib.sha256(repr(identity).encode()).hexdigest()}.pkl"
 
-    def load(self, loaded: LoadedModel, request: RunRequest) -> Any | None:
+    def load(self, loaded: ModelKey, request: RunRequest | ShardKey) -> Any | None:
         """The stored result, or None (absent, or unreadable: it is then recomputed)."""
         path = self.path(loaded, request)
         try:
@@ -272,7 +277,7 @@ class ResultStore:
         os.utime(path)  # recently used: pruned last
         return result
 
-    def save(self, loaded: LoadedModel, request: RunRequest, result: Any) -> None:
+    def save(self, loaded: ModelKey, request: RunRequest | ShardKey, result: Any) -> None:
         """Write atomically (a reader never sees half a file), then prune the oldest results over the size cap."""
         path = self.path(loaded, request)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -278,3 +278,13 @@ def test_the_browsers_cpu_is_counted_from_the_processes_the_bench_launched_only(
     finally:
         real.kill()
         real.wait()
+
+
+def test_the_layouts_section_times_every_configuration_s_layouts_against_its_comparison():
+    loaded = bench.random_model("tiny", "cpu")
+    report = bench.run_bench(loaded, "quick", ("layouts",))
+    figures = {f.name: f for f in report.sections[0].figures}
+    assert not report.sections[0].skipped
+    assert figures["layout_seconds"].value < figures["compare_seconds"].value
+    assert figures["layout_bytes_vs_compare"].target == "<= 0.05"
+    assert "full_paged_shared" in figures and figures["full_paged_shared"].value >= 100

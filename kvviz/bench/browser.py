@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvviz.bench import dom
+from kvviz.runtime.settings import child_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 PROC = Path("/proc")  # the kernel's process table
@@ -118,7 +119,7 @@ def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float
         command = ["python", "-m", *SERVE_COMMAND, "--server.port", str(port), "--server.address", "127.0.0.1",
                    "--server.headless", "true"]
         process = subprocess.Popen([sys.executable, *command[1:]], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, **(env or {})})
+                                   env=child_environment(env or {}))
         url = f"http://127.0.0.1:{port}"
         try:
             deadline = time.monotonic() + startup

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from kvviz.methods import parse_spec
 from kvviz.runtime.cluster import ModelSource
 from kvviz.runtime.models import DEFAULT_MODEL, WEIGHT_MODES, LoadedModel
+from kvviz.runtime.settings import MODEL
 
 
 class UsageError(Exception):
@@ -16,7 +16,7 @@ class UsageError(Exception):
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=os.environ.get("KVVIZ_MODEL", DEFAULT_MODEL),
+    parser.add_argument("--model", default=MODEL.value(),
                         help=f"embedded default ({DEFAULT_MODEL}), a hub id or a local folder (env KVVIZ_MODEL)")
     parser.add_argument("--device", default=None, help="auto (default; env KVVIZ_DEVICE), cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default=None, help="auto (bf16 on CUDA, fp32 elsewhere), float32, bfloat16")
@@ -35,6 +35,25 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
     """--json and --quiet, shared by the commands that run the model and report results."""
     parser.add_argument("--json", metavar="OUT", help="write results as JSON to OUT ('-' for stdout)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_block_size_option(parser: argparse.ArgumentParser) -> None:
+    """--block-size B: token slots per block of the paged layouts reported beside counted bytes."""
+    from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
+
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="B",
+                        help=f"token slots per block of the paged layouts in layout_bytes (default "
+                             f"{DEFAULT_BLOCK_SIZE}, vLLM's)")
+
+
+def block_size(args: argparse.Namespace) -> int:
+    """The --block-size given, or a one-line UsageError."""
+    from kvviz.cache.layouts import check_block_size
+
+    try:
+        return check_block_size(args.block_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
 
 
 def load(args: argparse.Namespace) -> LoadedModel:

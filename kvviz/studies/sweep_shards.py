@@ -10,9 +10,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.studies.workloads import Workload
+
+
+class ModelKey(Protocol):
+    """The model half of a stored shard's key: the workers' :class:`kvviz.runtime.cluster.WorkerIdentity` (a loaded
+    model answers the same three), as :class:`kvviz.runs.ResultStore` keys every result."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def dtype(self) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -24,6 +39,7 @@ class ShardKey:
     workload: Workload
     specs: tuple[str, ...]
     items: tuple[int, ...]
+    block_size: int = DEFAULT_BLOCK_SIZE  # of the layouts its cells report
 
 
 def shard_size(items: int, workers: int) -> int:
