@@ -16,7 +16,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     HF_HOME=/models/huggingface
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv curl ca-certificates \
-    && rm -rf /var/lib/apt/lists/* \
+    && rm -rf /var/lib/apt/lists/* /var/cache/apt/*.bin \
     && useradd --create-home --uid 10001 kvviz \
     && mkdir -p /models && chown kvviz:kvviz /models
 
