@@ -20,9 +20,9 @@ RUN apt-get update \
     && useradd --create-home --uid 10001 kvviz \
     && mkdir -p /models && chown kvviz:kvviz /models
 
-# The build stage: the final image inherits its venv and the sources, never its layers. docker/pip/ (made by
-# `make container`, never committed) may hold a CA bundle pip needs to reach the package index from this box and
-# wheels pip prefers to the index's (a CPU torch); both stay in this stage.
+# The build stage: the venv alone, so that a change to the sources leaves it (and the final image's copy of it)
+# cached. docker/pip/ (made by `make container`, never committed) may hold a CA bundle pip needs to reach the package
+# index from this box and wheels pip prefers to the index's (a CPU torch); the final image inherits neither.
 FROM system AS build
 WORKDIR /app
 COPY requirements.txt requirements-nodeps.txt ./
@@ -32,12 +32,15 @@ RUN python3 -m venv /opt/kvviz \
     && mkdir -p /tmp/pip/wheels \
     && pip install --find-links /tmp/pip/wheels -r requirements.txt \
     && pip install --no-deps -r requirements-nodeps.txt
-COPY . .
-RUN rm -rf docker/pip
+
+# The sources, without docker/pip/.
+FROM system AS sources
+COPY . /app
+RUN rm -rf /app/docker/pip
 
 FROM system
 COPY --from=build /opt/kvviz /opt/kvviz
-COPY --from=build --chown=10001:10001 /app /app
+COPY --from=sources --chown=10001:10001 /app /app
 WORKDIR /app
 USER 10001
 # Bake the models so class runs need no network: the embedded default, converted once, plus any hub ids asked for.

@@ -38,7 +38,7 @@ def test_one_dockerfile_two_bases_every_other_line_shared(dockerfile):
     base = next(i["value"] for i in dockerfile.structure if i["instruction"] == "ARG" and i["value"].startswith("BASE"))
     assert base.startswith("BASE=nvidia/cuda:") and "runtime" in base
     stages = _stages(dockerfile)
-    assert stages[0] == "${BASE} AS system" and stages[1:] == ["system AS build", "system"]
+    assert stages[0] == "${BASE} AS system" and stages[1:] == ["system AS build", "system AS sources", "system"]
     make = {kind: subprocess.run(["make", "-n", "container", f"CONTAINER_BASE={kind}"], capture_output=True,
                                  text=True, cwd=ROOT, check=True).stdout for kind in ("cuda", "debian")}
     assert "--build-arg BASE" not in make["cuda"] and "docker/debian-base.sh" not in make["cuda"]
@@ -65,15 +65,15 @@ def test_healthcheck_asks_the_port_the_server_listens_on(dockerfile):
 
 
 def test_the_final_image_inherits_no_build_inputs(dockerfile):
-    """docker/pip/ (this box's CA bundle and CPU torch, made by make container) stays in the build stage: the final
-    stage copies only the venv and the sources, after the build stage removed the folder; git ignores it."""
+    """docker/pip/ (this box's CA bundle and CPU torch, made by make container) stays in the build stages: the final
+    stage copies only the venv and the sources, after their stage removed the folder; git ignores it."""
     text = (ROOT / "Dockerfile").read_text()
     final = text[text.rindex("\nFROM "):]
-    assert "docker/pip" not in final and "COPY . ." not in final
+    assert "docker/pip" not in final and "COPY . " not in final
     assert "COPY --from=build /opt/kvviz /opt/kvviz" in final
-    assert "COPY --from=build --chown=10001:10001 /app /app" in final
-    build = text[text.index("FROM system AS build"):text.rindex("\nFROM ")]
-    assert build.index("COPY . .") < build.index("RUN rm -rf docker/pip")
+    assert "COPY --from=sources --chown=10001:10001 /app /app" in final
+    sources = text[text.index("FROM system AS sources"):text.rindex("\nFROM ")]
+    assert sources.index("COPY . /app") < sources.index("RUN rm -rf /app/docker/pip")
     ignored = subprocess.run(["git", "check-ignore", "docker/pip/ca.crt", "docker/pip/wheels/torch.whl"],
                              capture_output=True, text=True, cwd=ROOT).stdout.split()
     assert ignored == ["docker/pip/ca.crt", "docker/pip/wheels/torch.whl"]
