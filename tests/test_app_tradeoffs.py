@@ -13,6 +13,7 @@ def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
     app = opened()
     assert not app.exception and not app.error
     assert app.radio(key="sweep_workload").value == "task" and app.number_input(key="sweep_items").value == 32
+    assert "takes at least 73 items" in app.info[0].value, "the plan before Run, for the default 32 items"
     families = app.multiselect(key="sweep_families")
     assert "snapkv" in families.value and any("sweeps budget" in o for o in families.options)
     sweep(app, "streaming_llm", 0.125, "needle", 3)
@@ -24,10 +25,14 @@ def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
     assert "every item at every budget" in grid
     failures, table = app.dataframe[0].value, app.dataframe[1].value
     assert list(table["spec"])[0] == "full" and table["accuracy_ci"].notna().all()
+    assert table["verdict"].iloc[0] is None and table["verdict"].iloc[1] in ("worse", "inconclusive")
+    assert any("Newcombe" in str(c.value) for c in app.caption)
+    assert any("the full cache is right on" in m.value.lower() for m in app.markdown), "full's real accuracy"
     link = parse_qs(failures["open"].iloc[0].split("?", 1)[1])
     assert link["item"] == [failures["item"].iloc[0]] and link["m"] == ["full", failures["spec"].iloc[0]]
     assert link["n"] == ["16"] and link["seed"] == ["0"]
-    assert (failures["outcome"] == "evicted").all(), "a window of 1/8 loses the key wherever it is not recent"
+    lost = failures[failures["outcome"] != "gained"]
+    assert (lost["outcome"] == "evicted").all(), "a window of 1/8 loses the key wherever it is not recent"
     assert [b.label for b in app.get("download_button")] == ["Points as CSV", "Sweep as JSON"]
 
 

@@ -387,8 +387,10 @@ def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server)
             settle(page)
             no_exception(page)
             body = page.inner_text("body")
-            assert "smaller than full or more" in body and "indistinguishable from full at this sample size" in body
-            assert "cliff" in body and "Wilson score interval" in body and "items kept" in body
+            assert "Before you run." in body and "takes at least 73 items" in body, "the plan, on screen"
+            assert "The full cache is right on" in body and "of 32 items" in body, "full's real accuracy"
+            assert "Newcombe" in body and "McNemar" in body and "Holm" in body, "the rules the verdicts read"
+            assert "indistinguishable" not in body and ("within_margin" in body or "inconclusive" in body)
             page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)  # plotly draws after the script ends
             assert page.locator(".js-plotly-plot").count() == 4, "the trade-off chart and each family's item grid"
             chart = page.locator(".js-plotly-plot").first.inner_text()

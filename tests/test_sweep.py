@@ -8,7 +8,7 @@ import torch
 from kvviz.engine.batched import teacher_forced
 from kvviz.engine.session import compare
 from kvviz.methods import Sizing, SpecError
-from kvviz.studies.frontier import AGREEMENT, PERPLEXITY, Candidate, on_frontier, recommendation
+from kvviz.studies.frontier import AGREEMENT, PERPLEXITY, on_frontier
 from kvviz.studies.sweep import (
     SweepPoint,
     budget_reversals,
@@ -38,17 +38,12 @@ def test_single_point_families_reach_the_frontier_only_when_nothing_beats_them()
     assert alone == [True] and beaten == [False, True]
 
 
-def test_recommendation_names_the_best_point_and_the_best_of_every_other_kind():
-    candidates = [Candidate("full", "fixed", 1.0, 1.0), Candidate("kivi:bits=4", "quantization", 4.2, 0.97),
-                  Candidate("snapkv:budget=0.25", "eviction", 4.0, 0.62), Candidate("snapkv:budget=0.5", "eviction",
-                                                                                    2.0, 0.9)]
-    lines = recommendation(candidates, AGREEMENT, "On this prompt")
-    assert lines[0].startswith("On this prompt, at 2x smaller than full or more, kivi:bits=4 keeps 97%")
-    assert lines[1] == ("On this prompt, at 4x smaller than full or more, kivi:bits=4 keeps 97% agreement with full; "
-                        "the best eviction (snapkv:budget=0.25) keeps 62%.")
-    assert len(lines) == 2  # nothing reaches 8x
-    assert recommendation([candidates[0]], AGREEMENT, "On x") == ["On x, no configuration was measured below full's "
-                                                                  "size."]
+def test_with_paired_evidence_only_a_significantly_better_point_dominates():
+    points = [(100, 0.9), (50, 0.95), (40, 0.5)]
+    significant = {(1, 0)}  # only the 50-byte point is shown better than the 100-byte one
+    flags = on_frontier(points, AGREEMENT, lambda i, j: (i, j) in significant)
+    assert flags == [False, True, True], "the 40-byte point is worse but nothing smaller is shown better"
+    assert on_frontier(points, AGREEMENT, lambda i, j: False) == [True, True, True], "no evidence, no domination"
 
 
 def test_a_family_that_holds_more_at_a_smaller_budget_is_explained():
@@ -156,10 +151,11 @@ def test_the_frontier_and_summary_of_a_prompt_sweep(real_model, story_ids):
     assert data["prompt_tokens"] == len(story_ids)
     on = [p for p in report.points if p.frontier]
     assert on and all(p.agreement_with_full is not None for p in on)
-    assert set(report.frontiers) == {"agreement_with_full", "mean_kl", "kl_p95"}
-    assert report.summary[-1].startswith("One prompt is a single example, not a benchmark: it has no interval")
-    assert all(p.agreement_ci is None and p.like_full is None for p in report.points)  # nothing to tell it by
-    assert report.cliffs == {"streaming_llm": None, "kivi:residual=0": None}
+    assert set(report.frontiers) == {"agreement_with_full", "mean_kl"}
+    assert report.summary[-1].startswith("One prompt is a single example, not a benchmark: nothing can be proven")
+    assert all(p.agreement_ci is None for p in report.points)  # nothing to resample
+    assert all(p.paired.verdict != "within_margin" for p in report.points[1:]), "one prompt proves nothing"
+    assert all(c is None or c.spec is None for c in report.cliffs.values())
     assert all(p.factors is not None for p in report.points)
     assert report.markdown().count("\n") == len(report.points) + 1
 
@@ -173,13 +169,15 @@ def test_a_text_sweep_reports_perplexity_and_refuses_prompt_only_evictions_per_p
     assert all(p.agreement_with_full is None and p.accuracy is None for p in report.points)
 
 
-def test_a_task_sweep_scores_calibrated_items(real_model):
+def test_a_task_sweep_scores_every_item_full_included_and_pairs_each_point_with_full(real_model):
     report = run_sweep(real_model, TaskWorkload("needle", 192, 2), ["streaming_llm"], [0.0625])
-    full = report.points[0]
-    if full.error:  # the full cache missed the only item: every point says so instead of scoring
-        assert all(p.error == full.error for p in report.points)
-        return
-    assert full.accuracy == 1.0 and all(p.accuracy is not None for p in report.points)
+    full, *points = report.points
+    assert full.items_scored == 2 and full.paired is None and full.accuracy_ci is not None
+    assert all(p.accuracy is not None and p.items_scored == 2 for p in report.points)
+    for point in points:
+        kinds = [o.versus_full for o in point.outcomes]
+        assert point.paired.lost == kinds.count("lost") and point.paired.gained == kinds.count("gained")
+        assert point.paired.items == 2 and point.paired.verdict != "within_margin", "two items prove nothing"
     assert min(p.compression for p in report.points) >= 1.0
 
 
@@ -220,7 +218,7 @@ def test_a_play_streams_every_configuration_together_as_each_streams_alone(tiny_
         assert result.per_token_nll == pytest.approx(alone.per_token_nll, rel=1e-4, abs=1e-4), spec
 
 
-def test_a_prompt_set_with_answers_scores_accuracy_on_what_full_answers_and_agreement_per_prompt(real_model):
+def test_a_prompt_set_with_answers_scores_accuracy_on_every_prompt_and_agreement_per_prompt(real_model):
     from kvviz.engine.prompts import PromptLine
     from kvviz.lessons import STORY_QUESTION
 
@@ -230,13 +228,16 @@ def test_a_prompt_set_with_answers_scores_accuracy_on_what_full_answers_and_agre
     workload = PromptWorkload.encode(real_model.tokenizer, lines, chat=True, max_new_tokens=8)
     report = run_sweep(real_model, workload, ["kivi:residual=0"], [0.25])
     full, *points = report.points
-    assert set(report.frontiers) == {"accuracy", "agreement_with_full", "mean_kl"}
-    assert report.notes[0].startswith(f"{full.items_scored} of 3 prompts kept for accuracy")
-    assert full.accuracy == 1.0 and full.accuracy_ci[1] == 1.0 and full.items_scored < 3
+    assert set(report.frontiers) == {"accuracy", "agreement_with_full", "tail_share", "mean_kl"}
+    right = sum(o.correct for o in full.outcomes)
+    assert report.notes[0].startswith(f"The full cache's output holds the answer on {right} of 3 prompts")
+    assert full.items_scored == 3 and full.accuracy == right / 3 and not full.outcomes[2].correct
     for point in points:
-        assert [o.item for o in point.outcomes] == ["story", "france", "nonsense"], "agreement on every prompt"
-        assert [o.correct is None for o in point.outcomes] == [o.correct is None for o in full.outcomes]
+        assert [o.item for o in point.outcomes] == ["story", "france", "nonsense"], "every prompt scored"
+        assert all(o.correct is not None for o in point.outcomes)
         assert point.agreement_ci is not None and point.agreement_ci[0] <= point.agreement_with_full
         assert point.worst_prompt_agreement == min(o.agreement for o in point.outcomes)
-        assert point.kl_p95 is not None and point.like_full is not None
+        assert point.tail_share == sum(o.agreement < 0.9 for o in point.outcomes) / 3 and point.tail_ci is not None
+        assert point.paired.items == 3 and set(point.paired_by_measure) == {"accuracy", "agreement_with_full",
+                                                                             "tail_share"}
     assert report.rules["answer"].startswith("correct when the expected answer appears in the output")

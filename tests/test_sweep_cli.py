@@ -8,7 +8,8 @@ import pytest
 from kvviz.cli import main, options
 
 POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_with_full", "mean_kl", "accuracy",
-              "perplexity", "frontier"}
+              "perplexity", "frontier", "paired", "tail_share", "tail_ci"}
+PAIRED_KEYS = {"items", "lost", "gained", "difference", "difference_ci", "p_value", "p_adjusted", "verdict"}
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -20,6 +21,8 @@ POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_
     (["--task", "needle", "--items", "0", "--method", "snapkv"], "give at least one item"),
     (["--task", "needle"], "give at least one --method SPEC"),
     (["--task", "needle", "--method", "snapkv", "--budgets", "a,b"], "bad --budgets 'a,b'"),
+    (["--task", "needle", "--method", "snapkv", "--margin", "0"], "--margin 0 is not a loss in points"),
+    (["--play", "hamlet", "--method", "snapkv", "--plan"], "--plan needs items: a play is one stream"),
 ])
 def test_mistakes_are_one_line_before_any_model_work(extra, message, capsys, monkeypatch):
     monkeypatch.setattr(options, "load", lambda args: pytest.fail("a mistake must be reported before loading a model"))
@@ -47,6 +50,8 @@ def test_json_holds_every_point_with_the_schema_keys(tiny_model, monkeypatch, ca
         assert point["agreement_with_full"] is not None and point["kv_bytes"] > 0
     assert data["points"][-1]["budget"] is None and data["points"][-1]["family"] == "fp8"
     assert any(p["frontier"] for p in data["points"])
+    assert data["points"][0]["paired"] is None and all(PAIRED_KEYS <= set(p["paired"]) for p in data["points"][1:])
+    assert data["margin"] == 5.0 and data["plan"]["items"] == 1
     printed = capsys.readouterr().out
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 1 + len(data["points"])  # the header and one row per point
@@ -73,12 +78,16 @@ def test_a_sweep_json_carries_intervals_outcomes_items_and_cliffs(real_model, tm
                                                                                       160, 3, seed=2)]
     assert all(set(item) >= {"id", "prompt", "expected"} for item in data["items"])
     full, point = data["points"]
-    kept = sum(item["kept"] for item in data["items"])
-    assert full["items_scored"] == point["items_scored"] == kept
+    right = sum(item["full_correct"] for item in data["items"])
+    assert full["items_scored"] == point["items_scored"] == 3 and full["accuracy"] == pytest.approx(right / 3)
     assert len(point["accuracy_ci"]) == 2 and point["accuracy_ci"][0] <= point["accuracy"] <= point["accuracy_ci"][1]
-    assert [o["item"] for o in point["outcomes"]] == [i["id"] for i in data["items"] if i["kept"]]
-    assert all(set(o) >= {"item", "correct", "evicted"} for o in point["outcomes"])
+    assert [o["item"] for o in point["outcomes"]] == [i["id"] for i in data["items"]]
+    assert all(set(o) >= {"item", "correct", "evicted", "versus_full"} for o in point["outcomes"])
+    kinds = [o["versus_full"] for o in point["outcomes"]]
+    assert point["paired"]["lost"] == kinds.count("lost") and point["paired"]["gained"] == kinds.count("gained")
     (family,) = data["families"]
-    assert family["spec"] == "streaming_llm" and "cliff" in family
-    assert data["rules"]["interval"].startswith("95% Wilson score interval")
-    assert "items kept" in capsys.readouterr().out
+    assert family["spec"] == "streaming_llm" and family["cliff"]["family"] == "streaming_llm"
+    assert data["rules"]["interval"].startswith("95% Wilson score interval") and "Newcombe" in data["rules"]["paired"]
+    assert data["plan"]["items"] == 3 and data["plan"]["detectable_loss"] is None
+    printed = capsys.readouterr().out
+    assert f"The full cache is right on {right} of 3 items" in printed and "With 3 items" in printed

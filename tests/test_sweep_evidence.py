@@ -1,14 +1,15 @@
-"""The evidence behind a sweep's points: intervals, the cliff, a recommendation that never ranks what its intervals
-cannot separate, prompt sets and their errors, and items that come back the same."""
+"""The evidence behind a sweep's points: intervals, a recommendation that is a proof, prompt sets and their errors
+(groups included), and items that come back the same."""
 
 import pytest
 
 from kvviz.engine.prompts import PromptLine, parse_prompt_lines, read_prompt_set
 from kvviz.engine.session import PromptError
-from kvviz.studies.frontier import ACCURACY, Candidate, Cliff, find_cliff, recommendation
-from kvviz.studies.intervals import bootstrap_mean, overlap, percentile, wilson
-from kvviz.studies.sweep import check_sweep
+from kvviz.studies.intervals import bootstrap_mean, percentile, wilson
+from kvviz.studies.sweep import Family, SweepPoint, SweepReport, check_sweep
+from kvviz.studies.sweep_measure import Outcome
 from kvviz.studies.tail_items import item_from_id, spread_items
+from kvviz.studies.verdicts import judged_report
 from kvviz.studies.workloads import TaskWorkload, answer_found
 
 
@@ -17,7 +18,7 @@ def test_wilson_intervals_match_worked_examples():
     assert low == pytest.approx(0.4902, abs=1e-4) and high == pytest.approx(0.9433, abs=1e-4)
     assert wilson(10, 10) == pytest.approx((10 / (10 + 1.959964**2), 1.0))  # all right: n / (n + z^2) to 1
     assert wilson(0, 10) == pytest.approx((0.0, 1.959964**2 / (10 + 1.959964**2)))
-    low, high = wilson(26, 32)  # 32 items around 80%: about ±14 points, as the default item count promises
+    low, high = wilson(26, 32)  # 32 items around 80%: -16/+10 points, as the default item count's comment says
     assert (round(low, 2), round(high, 2)) == (0.65, 0.91) and high - low < 0.30
     assert wilson(0, 0) is None
     with pytest.raises(ValueError):
@@ -31,40 +32,48 @@ def test_the_bootstrap_interval_matches_its_enumerated_distribution():
     assert bootstrap_mean([0.7, 0.7, 0.7]) == pytest.approx((0.7, 0.7))
     assert bootstrap_mean([0.2, 0.9, 0.4]) == bootstrap_mean([0.2, 0.9, 0.4]), "a fixed seed: the same interval"
     assert bootstrap_mean([0.5]) is None, "one prompt has no spread to resample"
-    assert overlap((0.1, 0.5), (0.5, 0.9)) and not overlap((0.1, 0.49), (0.5, 0.9)) and not overlap(None, (0, 1))
+    assert bootstrap_mean([0.1, 0.9], groups=["a", "a"]) is None, "one group has no spread either"
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.95) == pytest.approx(4.8) and percentile([], 0.5) is None
 
 
-def test_the_cliff_is_the_last_point_like_full_before_the_first_that_is_not():
-    points = [("b", 4.0, True), ("a", 2.0, True), ("c", 8.0, False), ("d", 16.0, True)]
-    assert find_cliff("f", points) == Cliff("f", "b", 4.0, "c", 8.0), "d, past the fall, does not move it"
-    assert find_cliff("f", [("a", 2.0, True), ("b", 4.0, True)]) == Cliff("f", "b", 4.0)
-    assert find_cliff("f", [("a", 2.0, False), ("b", 4.0, True)]) == Cliff("f", None, None, "a", 2.0)
-    assert find_cliff("f", [("a", 2.0, True), ("b", 4.0, None)]) is None, "no interval: nothing to tell"
-    assert find_cliff("f", []) is None
-    assert Cliff("f", "b", 4.0, "c", 8.0).sentence() == ("f's cliff: indistinguishable from full at this sample "
-                                                         "size up to 4.0x (b); at 8.0x (c) it is not.")
-    assert "at every budget measured, up to 4.0x (b)" in Cliff("f", "b", 4.0).sentence()
-    assert "already at its least compressed point, 2.0x (a)" in Cliff("f", None, None, "a", 2.0).sentence()
+def _task_report(per_spec: dict[str, tuple[float, list[bool]]]) -> SweepReport:
+    """A measured task sweep of one family from outcomes alone: SPEC -> (compression, right per item)."""
+    items = len(next(iter(per_spec.values()))[1])
+    points = []
+    for spec, (compression, right) in per_spec.items():
+        point = SweepPoint(spec, "full" if spec == "full" else "f", "fixed" if spec == "full" else "eviction",
+                           None if spec == "full" else 1 / compression, kv_bytes=round(1000 / compression),
+                           kv_bytes_full=1000)
+        point.outcomes = [Outcome(f"i{k}", r) for k, r in enumerate(right)]
+        point.accuracy, point.accuracy_ci, point.items_scored = sum(right) / items, wilson(sum(right), items), items
+        points.append(point)
+    return SweepReport("m", f"{items} items", "task", 100, [0.25], [Family("f", "f", ("budget",), "eviction")],
+                       points, ["accuracy"], 0.0, items=[{"id": f"i{k}"} for k in range(items)])
 
 
-def test_the_recommendation_never_ranks_configurations_whose_intervals_overlap():
-    like = [Candidate("a", "eviction", 4.1, 0.90, (0.80, 0.97), True),
-            Candidate("b", "quantization", 4.5, 0.85, (0.70, 0.93), True)]
-    (line, *_) = recommendation(like, ACCURACY, "On 32 items")
-    assert line == ("On 32 items, at 2x smaller than full or more, indistinguishable from full at this sample size: "
-                    "b (85% [70, 93]), a (90% [80, 97]).")  # most compressed first, whatever the means say
-    apart = [Candidate("c", "eviction", 8.0, 0.60, (0.45, 0.74), False),
-             Candidate("d", "stack", 9.0, 0.50, (0.35, 0.65), False),
-             Candidate("e", "quantization", 8.5, 0.10, (0.03, 0.25), False)]
-    lines = recommendation(apart, ACCURACY, "On 32 items")
-    assert lines[2] == ("On 32 items, at 8x smaller than full or more, nothing is indistinguishable from full at this "
-                        "sample size; the best measured is c (60% [45, 74]), and cannot be told apart from d (50% "
-                        "[35, 65]); 1 other falls below its interval.")
-    zero = [Candidate("f", "eviction", 16.0, 0.0, (0.0, 0.14), False), Candidate("g", "stack", 17.0, 0.0, (0.0, 0.14),
-                                                                                 False)]
-    assert recommendation(zero, ACCURACY, "On 32 items")[-1].endswith(
-        "nothing is indistinguishable from full at this sample size; every configuration there scores 0%.")
+def test_the_recommendation_is_the_most_compressed_point_proven_after_holm():
+    full = [True] * 150 + [False] * 50
+    report = judged_report(_task_report({"full": (1.0, full), "f:2": (2.0, full), "f:4": (4.0, [False] + full[1:]),
+                                         "f:8": (8.0, [False] * 30 + full[30:])}), 5, 0.9)
+    summary = " ".join(report.summary)
+    assert "the full cache is right on 150 of 200 (75% [69, 80])" in summary
+    assert "Deploy f:4: 4.0x smaller than full and proven within 5 points" in summary
+    assert "1 is worse than full" in summary and "f:8" in summary
+    assert report.cliffs["f"].spec == "f:4" and report.plan.items == 200
+    verdicts = {p.spec: p.paired.verdict for p in report.points[1:]}
+    assert verdicts == {"f:2": "within_margin", "f:4": "within_margin", "f:8": "worse"}
+    assert all(p.paired.margin_p_adjusted >= p.paired.margin_p for p in report.points[1:])
+    wider = judged_report(report, 0.5, 0.9)  # the same outcomes read at a half-point margin: nothing proven
+    assert any("No configuration is proven within 0.5 points" in line for line in wider.summary)
+    assert wider.points[1].paired.verdict != "within_margin" and report.points[1].paired.verdict == "within_margin"
+
+
+def test_a_sweep_without_enough_items_says_how_many_proving_the_margin_takes():
+    full = [True] * 24 + [False] * 8
+    report = judged_report(_task_report({"full": (1.0, full), "f:2": (2.0, full)}), 5, 0.9)
+    (line,) = [s for s in report.summary if s.startswith("No configuration")]
+    assert f"takes at least {report.plan.items_for_margin} items" in line and "could hide a loss of up to" in line
+    assert report.to_json()["plan"]["items"] == 32 and report.to_json()["points"][0]["paired"] is None
 
 
 def test_a_prompt_set_file_names_the_line_at_fault():
@@ -80,6 +89,10 @@ def test_a_prompt_set_file_names_the_line_at_fault():
             parse_prompt_lines("set.jsonl", text)
     with pytest.raises(PromptError, match="'b.txt' is 0.0 MB; the limit is 0.0 MB|'b.txt' is .* the limit is"):
         read_prompt_set([("a.txt", b"short"), ("b.txt", b"x" * 200)], 100)  # the file over the limit is named
+    grouped = parse_prompt_lines("g.jsonl", '{"prompt": "Q1", "group": "doc"}\n{"prompt": "Q2", "group": 7}\n')
+    assert [p.group for p in grouped] == ["doc", "7"]
+    with pytest.raises(PromptError, match='line 1: "group" must be non-empty text or a number'):
+        parse_prompt_lines("g.jsonl", '{"prompt": "Q1", "group": ""}')
     with pytest.raises(PromptError, match="a.txt has no answer while set.jsonl:1 has one"):
         read_prompt_set([("set.jsonl", b'{"prompt": "Q", "answer": "A"}'), ("a.txt", b"text")], 1000)
     assert [p.name for p in read_prompt_set([("a.txt", b"one"), ("b.md", b"two")], 1000)] == ["a.txt", "b.md"]

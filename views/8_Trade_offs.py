@@ -9,9 +9,12 @@ from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError
 from kvviz.runs import SweepRequest
 from kvviz.studies.frontier import MEASURES
+from kvviz.studies.paired import DEFAULT_MARGIN
 from kvviz.studies.perplexity import play_names
+from kvviz.studies.power import plan
 from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, check_sweep, read_family
 from kvviz.studies.tail_items import NEW_TOKENS
+from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, judged_report
 from kvviz.studies.workloads import DEFAULT_ITEMS, SWEEP_TASKS, PromptWorkload, TaskWorkload, TextWorkload
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
@@ -31,10 +34,11 @@ LENGTHS = [256, 512, 1024]
 
 page_header("Trade-offs", "Trade-offs: quality against memory",
             "Which configuration should you deploy at your memory budget, and what does it lose? Each family is "
-            "one method (or stack) with one parameter left free, swept across the budgets; every point is "
-            "measured on many items and carries its 95% interval, so two configurations are only ranked when the "
-            "evidence separates them. The frontier marks the configurations nothing beats on memory and quality.",
-            link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "items", "seed", "play", "tokens"))
+            "one method (or stack) with one parameter left free, swept across the budgets. Every point runs on the "
+            "same items as the full cache and is judged against it item by item: proven within the loss you accept "
+            "(your margin), worse, or inconclusive. The recommendation is a proof, never a best guess.",
+            link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "items", "seed", "play", "tokens",
+                           "margin", "tail"))
 
 loaded = require_model()
 limits = settings()
@@ -75,10 +79,21 @@ with st.sidebar:
     chat = flag_setting("Chat template", "chat", True, key="sweep_chat", disabled=workload_kind != "prompt")
     items = number_setting("Items", "items", min(DEFAULT_ITEMS, limits.max_items), 1, limits.max_items,
                            key="sweep_items", disabled=workload_kind != "task",
-                           help=f"Items at depths spread over the context. 32 items give a 95% interval of about "
-                                f"±14 points around 80%. This server allows up to {limits.max_items}.")
+                           help=f"Items at depths spread over the context. At 80% accuracy, 32 items give a 95% "
+                                f"Wilson interval from 61% to 89%. This server allows up to {limits.max_items}.")
     seed = number_setting("Seed", "seed", 0, 0, 1_000_000, key="sweep_seed", disabled=workload_kind != "task",
                           help="Which items: the same seed gives the same items for every configuration and run.")
+    st.subheader("Verdicts")
+    margin = float(number_setting("Margin: the loss you accept (points)", "margin", DEFAULT_MARGIN, 0.5, 50.0,
+                                  key="sweep_margin", step=0.5,
+                                  help=f"A configuration is proven within the margin when the 95% interval of its "
+                                       f"difference from full, item by item, stays above minus this many points "
+                                       f"(default {DEFAULT_MARGIN:g}). Changing it re-reads a finished sweep "
+                                       "without running it again."))
+    threshold = float(number_setting("Tail: agreement below", "tail", DEFAULT_TAIL_THRESHOLD, 0.05, 1.0,
+                                     key="sweep_tail", step=0.05, disabled=workload_kind != "prompt",
+                                     help="A prompt set's tail: the share of prompts whose agreement with full "
+                                          "falls below this."))
 
 workload = None
 prompt_text: str | None = None
@@ -130,7 +145,7 @@ extra = linked("sweep_extra", Read(typed), lambda value: st.text_input(
     "More families or fixed SPECs (separated by spaces)", value, key="sweep_extra",
     placeholder="h2o  snapkv+kivi:bits=4  lowrank+snapkv:budget=0.25"))
 specs = list(dict.fromkeys([*families, *extra.split()]))
-share_settings(w=workload_kind, m=specs, b=sorted(budgets), n=int(max_new), chat=chat,
+share_settings(w=workload_kind, m=specs, b=sorted(budgets), n=int(max_new), chat=chat, margin=margin, tail=threshold,
                **({"task": task, "len": task_length, "items": int(items), "seed": int(seed)}
                   if workload_kind == "task" else {}),
                **({"play": play, "tokens": play_tokens} if workload_kind == "text" else {}))
@@ -143,12 +158,19 @@ except ValueError as error:
     st.error(problem)
 asked = (None if problem is not None or workload is None
          else SweepRequest(workload, tuple(specs), tuple(sorted(budgets)), sweep_cluster(limits.ray_address)))
+planned_items = (workload.items if isinstance(workload, TaskWorkload) else
+                 len(workload.prompts) if isinstance(workload, PromptWorkload) else None)
+if planned_items is not None and problem is None:
+    st.info(f"**Before you run.** {plan(planned_items, margin).sentence()} Assumed: the configuration loses items "
+            "and gains none; full answers every item right.")
 if run_button("Run the sweep", "sweep_request", asked, disabled=asked is None):
     st.session_state["sweep_prompt"] = (prompt_text, chat)
 
 request, report = run_pressed(
     loaded, "sweep_request", "Choose the workload, the families and the budgets, then press **Run the sweep**.",
     "Sizing every family…", current=asked)
+if (report.margin, report.tail_threshold) != (margin, threshold):
+    report = judged_report(report, margin, threshold)
 
 count = len(report.points)
 st.success(f"{count} configuration{'s' if count != 1 else ''} on {report.workload} in {report.seconds:.1f} s.")
@@ -156,6 +178,8 @@ if report.shard_run is not None:
     st.caption(f"Measured on the Ray cluster: {report.shard_run.describe()}.")
 for line in report.summary:
     st.markdown(f"- {line}")
+if report.plan is not None:
+    st.caption(f"Plan: {report.plan.sentence()}")
 for note in report.notes:
     st.caption(note)
 for name, rule in report.rules.items():
@@ -174,27 +198,34 @@ table = report.to_frame()
 table["frontier"] = table["spec"].isin(report.frontiers[measure])
 table["open"] = [item_link(spec, report.items[0]["id"], request.workload.seed, compare_tokens) if on_items
                  else compare_link(spec, prompt, prompt_chat, compare_tokens) for spec in table["spec"]]
-for key in ("accuracy_ci", "agreement_ci"):
+for key in ("accuracy_ci", "agreement_ci", "tail_ci"):
     if key in table and table[key].notna().any():
         table[key] = [None if v is None else f"{v[0]:.0%} – {v[1]:.0%}" for v in table[key]]
+judged = [p.paired_by_measure.get(measure) for p in report.points]
+table["verdict"] = [None if j is None else j.verdict for j in judged]
+table["versus_full"] = [None if j is None else j.interval_text() for j in judged]
+table["lost"] = [None if j is None else j.lost for j in judged]
+table["gained"] = [None if j is None or j.p_value is None else j.gained for j in judged]
+table["p_adjusted"] = [None if j is None else j.p_adjusted for j in judged]
 shown_columns = [c for c in ("spec", "family", "budget", "kv_bytes", "compression", *report.frontiers,
-                             "accuracy_ci", "agreement_ci", "items_scored", "like_full", "first_divergence",
-                             "frontier", "open", "error")
+                             "accuracy_ci", "agreement_ci", "tail_ci", "items_scored", "verdict", "versus_full",
+                             "lost", "gained", "p_adjusted", "first_divergence", "frontier", "open", "error")
                  if c in table and (table[c].notna().any() if c != "frontier" else True)]
 if on_items:
     st.subheader("Every item, every budget")
-    st.caption("Each family's outcome per item: green right; red wrong with a planted span it needed evicted "
-               "(hover for which, and in how many layers); orange wrong with nothing planted evicted under a "
-               "quantizer; purple wrong with everything planted kept.")
+    st.caption("Each family's outcome per item against full's (full's own column first): green right where full "
+               "is right; lost items coloured by cause (red: a planted span it needed was evicted, hover for which "
+               "and in how many layers; orange: nothing planted evicted under a quantizer; purple: everything "
+               "planted kept); blue gained (right where full is wrong); grey wrong where full is wrong too.")
     families_run = [f.spec for f in report.families if any(p.family == f.spec and p.outcomes for p in report.points)]
     tabs = st.tabs(families_run) if families_run else []
     for tab, family in zip(tabs, families_run, strict=True):
         with tab:
             cells = plots.outcome_cells(report, family)
             st.plotly_chart(plots.outcome_grid(cells, family), width="stretch")
-            failed = cells[cells["outcome"] != "correct"].copy()
+            failed = cells[~cells["outcome"].isin(["both_right", "both_wrong"])].copy()
             if failed.empty:
-                st.caption("No failure: every item was answered right at every budget.")
+                st.caption("Nothing lost or gained: every item came out as full's did at every budget.")
                 continue
             failed["open"] = [item_link(spec, item, request.workload.seed, compare_tokens)
                               for spec, item in zip(failed["spec"], failed["item"], strict=True)]
@@ -217,8 +248,11 @@ st.dataframe(table[shown_columns], hide_index=True, width="stretch", column_conf
     "kv_bytes": st.column_config.NumberColumn("KV bytes", format="%d"),
     "accuracy_ci": st.column_config.TextColumn("accuracy 95%"),
     "agreement_ci": st.column_config.TextColumn("agreement 95%"),
-    "like_full": st.column_config.CheckboxColumn("like full", help="indistinguishable from full at this sample "
-                                                                    "size: its interval overlaps full's"),
+    "tail_ci": st.column_config.TextColumn("tail 95%"),
+    "verdict": st.column_config.TextColumn("verdict", help=f"against full on the same items at a {margin:g}-point "
+                                                           "margin: within_margin, worse or inconclusive"),
+    "versus_full": st.column_config.TextColumn("difference from full [95%]"),
+    "p_adjusted": st.column_config.NumberColumn("McNemar p (Holm)", format="%.3g"),
     "open": st.column_config.LinkColumn("in Compare", display_text="open"),
     **{key: st.column_config.NumberColumn(MEASURES[key].label, format="%.3f") for key in report.frontiers},
 })

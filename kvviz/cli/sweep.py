@@ -14,6 +14,9 @@ from kvviz.cli.output import progress_unless, write_json
 from kvviz.engine.prompts import PROMPT_SET_SUFFIX, PromptLine, read_prompt_set
 from kvviz.engine.session import PromptError
 from kvviz.runtime.cluster import LOCAL, ClusterConfig, ClusterError, connect
+from kvviz.studies.paired import DEFAULT_MARGIN
+from kvviz.studies.power import plan
+from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD
 from kvviz.studies.workloads import DEFAULT_ITEMS
 
 NO_SIZE_LIMIT = 1 << 40  # files a user names on the command line are read whole (the server's upload cap is its own)
@@ -42,6 +45,14 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--budgets", default="0.0625,0.125,0.25,0.5",
                         help="shares of the full cache in (0, 1] (default 0.0625,0.125,0.25,0.5)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens per prompt (default 32)")
+    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                        help="the loss against full you accept, in points of the main measure (default "
+                             f"{DEFAULT_MARGIN:g}): each point is within the margin, worse, or inconclusive")
+    parser.add_argument("--tail-threshold", type=float, default=DEFAULT_TAIL_THRESHOLD,
+                        help="a prompt set's tail: the share of prompts whose agreement with full falls below this "
+                             f"(default {DEFAULT_TAIL_THRESHOLD:g})")
+    parser.add_argument("--plan", action="store_true",
+                        help="print what this many items can detect and prove at the margin, and stop (no model)")
     parser.add_argument("--markdown", action="store_true", help="print one Markdown table row per point")
     parser.add_argument("--ray", nargs="?", const=LOCAL, metavar="ADDRESS",
                         help="measure in shards on Ray workers, each shard stored as it finishes (a rerun measures "
@@ -97,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from kvviz.runs import SweepRequest
     from kvviz.studies.perplexity import play_text
     from kvviz.studies.sweep import check_sweep
+    from kvviz.studies.verdicts import judged_report
     from kvviz.studies.workloads import PromptWorkload, TaskWorkload, TextWorkload
 
     lines = prompt_lines(args)
@@ -106,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.method:
         raise UsageError("give at least one --method SPEC (a family such as snapkv, kivi or snapkv+kivi:bits=4)")
     budgets = options.numbers(args.budgets, float, "--budgets")
+    if not 0 < args.margin < 100:
+        raise UsageError(f"--margin {args.margin:g} is not a loss in points between 0 and 100")
+    if not 0 < args.tail_threshold <= 1:
+        raise UsageError(f"--tail-threshold {args.tail_threshold:g} is not an agreement in (0, 1]")
     task = TaskWorkload(args.task, args.task_length, args.items, args.seed) if args.task else None
     try:  # every mistake in one line, before any model work
         check_sweep(args.method, budgets, task)
@@ -113,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
             play_text(args.play)
     except (ValueError, LookupError) as error:
         raise UsageError(str(error).strip("'\"")) from None
+    if args.plan:
+        return print_plan(args, len(lines) if lines is not None else None if args.play is not None else args.items)
     cluster = ray_cluster(args)
     loaded = options.load(args)
     if lines is not None:
@@ -128,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
         report = request.compute(loaded, progress_unless(args.quiet))
     except ClusterError as error:
         raise UsageError(str(error)) from None
+    if (report.margin, report.tail_threshold) != (args.margin, args.tail_threshold):
+        report = judged_report(report, args.margin, args.tail_threshold)
     if args.json:
         write_json(args.json, report.to_json())
     if args.json != "-":
@@ -137,5 +157,19 @@ def run(args: argparse.Namespace) -> int:
         print(report.markdown() if args.markdown else
               report.to_frame().drop(columns=["kv_bytes_full"]).to_string(index=False))
         print()
-        print("\n".join(report.summary + report.notes + [f"{k}: {v}" for k, v in report.rules.items()]))
+        lines = report.summary + ([report.plan.sentence()] if report.plan else []) + report.notes
+        print("\n".join(lines + [f"{k}: {v}" for k, v in report.rules.items()]))
+    return 0
+
+
+def print_plan(args: argparse.Namespace, items: int | None) -> int:
+    """``--plan``: what a sweep on ``items`` items can detect and prove at ``--margin`` (a play has no items)."""
+    if items is None:
+        raise UsageError("--plan needs items: a play is one stream of text, with no items to pair")
+    planned = plan(items, args.margin)
+    if args.json:
+        write_json(args.json, {"margin": args.margin, "plan": planned.to_json()})
+    if args.json != "-":
+        print(planned.sentence())
+        print("\n".join(f"{name}: {text}" for name, text in planned.assumptions.items()))
     return 0

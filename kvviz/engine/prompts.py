@@ -98,17 +98,19 @@ def truncate_middle(tokenizer, text: str, chat: bool, limit: int) -> Truncation:
 
 @dataclass(frozen=True)
 class PromptLine:
-    """One prompt of a prompt set: where it came from (a file, or a line of a .jsonl file), its text, and the answer
-    a correct output contains (None: the set is scored by agreement with full)."""
+    """One prompt of a prompt set: where it came from (a file, or a line of a .jsonl file), its text, the answer
+    a correct output contains (None: the set is scored by agreement with full) and the group of prompts sharing its
+    document (None: its own), which intervals resample as one."""
 
     name: str
     text: str
     answer: str | None = None
+    group: str | None = None
 
 
 def parse_prompt_lines(name: str, text: str) -> list[PromptLine]:
-    """The prompts of a .jsonl file, one ``{"prompt": ..., "answer": ...}`` object per line (``answer`` optional,
-    blank lines skipped); PromptError naming the file and line of the first bad one."""
+    """The prompts of a .jsonl file, one ``{"prompt": ..., "answer": ..., "group": ...}`` object per line (``answer``
+    and ``group`` optional, blank lines skipped); PromptError naming the file and line of the first bad one."""
     lines = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -125,7 +127,11 @@ def parse_prompt_lines(name: str, text: str) -> list[PromptLine]:
             raise PromptError(f'{where}: "prompt" must be non-empty text')
         if answer is not None and (not isinstance(answer, (str, int, float)) or not str(answer).strip()):
             raise PromptError(f'{where}: "answer" must be non-empty text or a number')
-        lines.append(PromptLine(f"{name}:{number}", prompt, None if answer is None else str(answer).strip()))
+        group = record.get("group")
+        if group is not None and (not isinstance(group, (str, int)) or not str(group).strip()):
+            raise PromptError(f'{where}: "group" must be non-empty text or a number')
+        lines.append(PromptLine(f"{name}:{number}", prompt, None if answer is None else str(answer).strip(),
+                                None if group is None else str(group).strip()))
     if not lines:
         raise PromptError(f"'{name}' holds no prompt")
     return lines

@@ -8,9 +8,11 @@ A point measured on 32 items is a rate with an error bar, not a number: two conf
 - **bootstrap percentile** for a mean over prompts (agreement with full): the prompts are resampled with
   replacement :data:`RESAMPLES` times from a fixed seed (so the same values give the same interval), and the interval
   is the 2.5th to the 97.5th percentile of the resampled means. Agreement is bounded and skewed (most prompts agree
-  fully), so a symmetric t interval would run past 100%.
+  fully), so a symmetric t interval would run past 100%. Prompts sharing one document are not independent: with
+  groups, whole groups are resampled (a cluster bootstrap), which widens the interval as it should.
 
-Two points are *indistinguishable at this sample size* when their intervals overlap.
+These intervals describe one configuration. Whether two configurations differ is a paired question on the same
+items (:mod:`kvviz.studies.paired`): overlapping intervals are not a test.
 """
 
 from __future__ import annotations
@@ -41,21 +43,39 @@ def wilson(successes: int, trials: int, z: float = Z95) -> Interval | None:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def bootstrap_mean(values: Sequence[float], resamples: int = RESAMPLES, seed: int = 0) -> Interval | None:
-    """The 95% bootstrap percentile interval of the mean of ``values`` (None for fewer than two values: one prompt
-    says nothing about the spread)."""
+def resample_means(values: Sequence[float], groups: Sequence[str] | None = None, resamples: int = RESAMPLES,
+                   seed: int = 0) -> np.ndarray | None:
+    """The means of ``resamples`` bootstrap resamples of ``values`` (items drawn with replacement, or whole groups
+    when ``groups`` names each item's), from a fixed seed; None for fewer than two units to draw."""
     data = np.asarray(values, dtype=float)
-    if data.size < 2:
+    rng = np.random.default_rng(seed)
+    if groups is None:
+        if data.size < 2:
+            return None
+        return data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    names = list(dict.fromkeys(groups))
+    if len(names) < 2:
         return None
-    draws = np.random.default_rng(seed).integers(0, data.size, size=(resamples, data.size))
-    means = data[draws].mean(axis=1)
+    index = {name: i for i, name in enumerate(names)}
+    member = np.asarray([index[g] for g in groups])
+    sums = np.bincount(member, weights=data, minlength=len(names))
+    sizes = np.bincount(member, minlength=len(names)).astype(float)
+    drawn = rng.integers(0, len(names), size=(resamples, len(names)))
+    return sums[drawn].sum(axis=1) / sizes[drawn].sum(axis=1)
+
+
+def percentile_interval(means: np.ndarray | None) -> Interval | None:
+    """The 2.5th to the 97.5th percentile of resampled means (None without them)."""
+    if means is None:
+        return None
     low, high = np.percentile(means, [2.5, 97.5])
     return float(low), float(high)
 
 
-def overlap(a: Interval | None, b: Interval | None) -> bool:
-    """Whether two intervals share a value (a missing interval overlaps nothing)."""
-    return a is not None and b is not None and a[0] <= b[1] and b[0] <= a[1]
+def bootstrap_mean(values: Sequence[float], groups: Sequence[str] | None = None) -> Interval | None:
+    """The 95% bootstrap percentile interval of the mean of ``values`` (None for fewer than two units to draw: one
+    prompt says nothing about the spread), resampling whole groups when ``groups`` names each value's."""
+    return percentile_interval(resample_means(values, groups))
 
 
 def percentile(values: Sequence[float], share: float) -> float | None:

@@ -6,10 +6,11 @@ A *family* is a SPEC with one parameter left free: a method named without the pa
 point. Each method sizes itself (:meth:`kvviz.cache.spec.Method.sweep_points`), so this module names none.
 
 Every point is measured, never interpolated, on one workload (:mod:`kvviz.studies.workloads`), and carries its
-evidence: a 95% interval (:mod:`kvviz.studies.intervals`), the tail beside the mean (the worst prompt, the
-95th-percentile per-token KL) and one outcome per item. A point whose interval overlaps full's is indistinguishable
-from full at this sample size; each family's *cliff* is where it stops being so (:func:`kvviz.studies.frontier.
-find_cliff`). Measuring is :mod:`kvviz.studies.sweep_measure`: all configurations of a wave of items decode in one
+evidence: a 95% interval (:mod:`kvviz.studies.intervals`), the tail beside the mean (the share of prompts below an
+agreement threshold, the worst prompt) and one outcome per item, full's included. Each point is judged against full
+on the same items with a margin (:mod:`kvviz.studies.verdicts`): within the margin, worse, or inconclusive; each
+family's *cliff* is its most compressed point proven within the margin, and the recommendation is a proof after
+Holm's adjustment. Measuring is :mod:`kvviz.studies.sweep_measure`: all configurations of a wave of items decode in one
 batch, and a play's configurations stream together; the rows it measures may come from shards run elsewhere (a Ray
 cluster: :mod:`kvviz.studies.sweep_ray`), and fill the same points.
 """
@@ -25,10 +26,13 @@ from kvviz.methods import MethodStack, Sizing, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
-from kvviz.studies.frontier import MEASURES, Candidate, Cliff, find_cliff, on_frontier, recommendation
-from kvviz.studies.intervals import BOOTSTRAP_RULE, WILSON_RULE, overlap
+from kvviz.studies.frontier import MEASURES
+from kvviz.studies.intervals import BOOTSTRAP_RULE, WILSON_RULE
+from kvviz.studies.paired import DEFAULT_MARGIN, Paired
+from kvviz.studies.power import Plan
 from kvviz.studies.sweep_measure import Measured, Outcome, Rows, fill_points, measure_rows
 from kvviz.studies.sweep_shards import ShardRun
+from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, Cliff, judged_report
 from kvviz.studies.workloads import ANSWER_RULE, Workload, check_workload
 
 DEFAULT_BUDGETS = (0.0625, 0.125, 0.25, 0.5)
@@ -129,8 +133,9 @@ def plan(specs: list[str], budgets: list[float], sizing: Sizing) -> tuple[list[F
 @dataclass
 class SweepPoint:
     """One measured configuration. ``budget``: the share of full it was sized to (None: a fixed configuration);
-    a measure that does not apply to the workload is None. Intervals are 95% ``[low, high]``; ``like_full``: the
-    main measure's interval overlaps full's (None: no interval to tell)."""
+    a measure that does not apply to the workload is None. Intervals are 95% ``[low, high]``. ``paired``: judged
+    against full on the same items on the main measure (None for full, and where nothing pairs);
+    ``paired_by_measure``: the same on every measure that pairs."""
 
     spec: str
     family: str
@@ -141,6 +146,8 @@ class SweepPoint:
     agreement_with_full: float | None = None
     agreement_ci: tuple[float, float] | None = None
     worst_prompt_agreement: float | None = None
+    tail_share: float | None = None  # prompts whose agreement with full falls below the report's threshold
+    tail_ci: tuple[float, float] | None = None
     mean_kl: float | None = None
     kl_p95: float | None = None
     first_divergence: int | None = None  # the earliest over the prompts
@@ -148,7 +155,8 @@ class SweepPoint:
     accuracy_ci: tuple[float, float] | None = None
     perplexity: float | None = None
     items_scored: int | None = None
-    like_full: bool | None = None
+    paired: Paired | None = None
+    paired_by_measure: dict[str, Paired] = field(default_factory=dict)
     factors: dict | None = None  # the formula's split: architecture, eviction, quantization
     full_precision_bytes: int | None = None  # of kv_bytes, those held unquantized (a quantizer's residual)
     frontier: bool = False  # on the frontier of the workload's main measure
@@ -161,15 +169,18 @@ class SweepPoint:
 
     def to_json(self) -> dict:
         data = asdict(self)
-        for key in ("agreement_ci", "accuracy_ci"):
+        for key in ("agreement_ci", "accuracy_ci", "tail_ci"):
             data[key] = None if data[key] is None else [round(v, 4) for v in data[key]]
+        data["paired"] = None if self.paired is None else self.paired.to_json()
+        data["paired_by_measure"] = {key: paired.to_json() for key, paired in self.paired_by_measure.items()}
         data["compression"] = None if self.compression is None else round(self.compression, 4)
         return data
 
 
 @dataclass
 class SweepReport:
-    """Every point of one sweep, the frontier of each measure, each family's cliff, and the recommendation."""
+    """Every point of one sweep, the frontier of each measure, each family's cliff, and the recommendation, all
+    read at ``margin`` points (:func:`kvviz.studies.verdicts.judged_report` re-reads them at another)."""
 
     model: str
     workload: str
@@ -178,18 +189,23 @@ class SweepReport:
     budgets: list[float]
     families: list[Family]
     points: list[SweepPoint]
-    frontiers: dict[str, list[str]]  # measure -> the SPECs on its frontier
-    summary: list[str]
+    measure_keys: list[str]  # the workload's measures, the main one first
     seconds: float
     notes: list[str] = field(default_factory=list)
     items: list[dict] = field(default_factory=list)  # what was scored: id, prompt text, expected answer
     cliffs: dict[str, Cliff | None] = field(default_factory=dict)  # family SPEC -> its cliff
     rules: dict[str, str] = field(default_factory=dict)  # how intervals and answers are read
     shard_run: ShardRun | None = None  # how a sharded sweep ran (workers, shards, reused); None in process
+    groups: list[str] | None = None  # each item's group when prompts share documents
+    frontiers: dict[str, list[str]] = field(default_factory=dict)  # measure -> the SPECs on its frontier
+    summary: list[str] = field(default_factory=list)
+    margin: float = DEFAULT_MARGIN  # points of the main measure a deployment may lose
+    tail_threshold: float = DEFAULT_TAIL_THRESHOLD
+    plan: Plan | None = None  # what this many items can detect and prove (None: a play has no items)
 
     @property
     def main_measure(self) -> str:
-        return next(iter(self.frontiers))
+        return self.measure_keys[0]
 
     def to_json(self) -> dict:
         return {"model": self.model, "prompt_tokens": self.prompt_tokens, "workload": self.workload,
@@ -198,6 +214,8 @@ class SweepReport:
                 "families": [asdict(f) | {"describe": f.describe(), "cliff": _cliff_json(self.cliffs.get(f.spec))}
                              for f in self.families],
                 "points": [p.to_json() for p in self.points], "frontiers": self.frontiers, "summary": self.summary,
+                "margin": self.margin, "tail_threshold": self.tail_threshold,
+                "plan": None if self.plan is None else self.plan.to_json(),
                 "notes": self.notes, "seconds": round(self.seconds, 3),
                 **(self.shard_run.to_json() if self.shard_run is not None else {})}
 
@@ -232,10 +250,6 @@ def _cliff_json(cliff: Cliff | None) -> dict | None:
 
 # Measures the rows of every item under the SPECs given (full first): in process, or shards on a cluster
 RowSource = Callable[[list[str], Progress | None], tuple[Rows, ShardRun | None]]
-SCOPE_NOTES = {
-    "text": "Perplexity on one play measures how well the cache follows text, not whether it answers; it has no "
-            "interval.",
-}
 
 
 def in_process(loaded: LoadedModel, workload: Workload) -> RowSource:
@@ -247,11 +261,12 @@ def in_process(loaded: LoadedModel, workload: Workload) -> RowSource:
 
 
 def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets: list[float] = DEFAULT_BUDGETS,
-              progress: Progress | None = None, rows: RowSource | None = None) -> SweepReport:
-    """Measure every family at every budget on ``workload`` (full first, the reference), then mark the frontiers,
-    which points are indistinguishable from full, and each family's cliff. ``rows`` measures elsewhere (shards on
-    a cluster); by default this process measures every item. ValueError (SpecError, PromptError included) for bad
-    arguments, before any model work."""
+              progress: Progress | None = None, rows: RowSource | None = None, margin: float = DEFAULT_MARGIN,
+              tail_threshold: float = DEFAULT_TAIL_THRESHOLD) -> SweepReport:
+    """Measure every family at every budget on ``workload`` (full first, the reference), then judge every point
+    against full at ``margin`` points: frontiers, cliffs, the recommendation. ``rows`` measures elsewhere (shards
+    on a cluster); by default this process measures every item. ValueError (SpecError, PromptError included) for
+    bad arguments, before any model work."""
     check_sweep(list(specs), list(budgets), workload)
     card = model_card(loaded)
     sizing = Sizing(workload.sizing_length(), card.kv_heads, card.head_dim, card.bytes_per_element)
@@ -263,51 +278,40 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     measured_rows, shard_run = (rows or in_process(loaded, workload))([p.spec for p in points], progress)
     measured: Measured = fill_points(workload, points, measured_rows)
     notes = measured.notes + budget_reversals(points)
-    frontiers = {}
-    for quality in workload.measures:
-        flags = on_frontier([(p.kv_bytes, getattr(p, quality.key)) for p in points], quality)
-        frontiers[quality.key] = [p.spec for p, flag in zip(points, flags, strict=True) if flag]
+    measure_keys = [m.key for m in workload.measures]
     main = workload.measures[0]
-    mark_like_full(points, main.interval)
-    for point in points:
-        point.frontier = point.spec in frontiers[main.key]
-    cliffs = {f.spec: find_cliff(f.spec, [(p.spec, p.compression, p.like_full) for p in points
-                                          if p.family == f.spec and p.error is None and p.compression])
-              for f in families}
-    scope = "On this prompt" if workload.kind == "prompt" and len(measured.items) == 1 else \
-        f"On {workload.describe()}"
-    summary = recommendation([Candidate(p.spec, p.kind, p.compression, getattr(p, main.key),
-                                        getattr(p, main.interval) if main.interval else None, p.like_full)
-                              for p in points if p.error is None], main, scope)
-    summary += [cliff.sentence() for cliff in cliffs.values() if cliff is not None]
-    if workload.kind == "prompt" and len(measured.items) == 1:
-        summary.append("One prompt is a single example, not a benchmark: it has no interval. Sweep a prompt set or "
-                       "a task before you deploy.")
-    elif workload.kind in SCOPE_NOTES:
-        summary.append(SCOPE_NOTES[workload.kind])
     rules = {}
     if main.interval == "accuracy_ci":
         rules["interval"] = WILSON_RULE
     elif main.interval == "agreement_ci" and len(measured.items) > 1:
         rules["interval"] = BOOTSTRAP_RULE
+    if main.paired is not None:
+        rules["paired"] = PAIRED_RULES[main.paired]
+        rules["verdicts"] = VERDICT_RULE
     if workload.kind == "prompt" and workload.answered:
         rules["answer"] = ANSWER_RULE
         rules["agreement_interval"] = BOOTSTRAP_RULE
+    if measured.groups is not None:
+        rules["groups"] = GROUPS_RULE
     if progress is not None and shard_run is None:  # a sharded sweep's bar ends with its last shard
         progress(1.0, "done")
-    return SweepReport(loaded.name, workload.describe(), workload.kind, measured.prompt_tokens, list(budgets),
-                       families, points, frontiers, summary, time.perf_counter() - started, notes, measured.items,
-                       cliffs, rules, shard_run)
+    report = SweepReport(loaded.name, workload.describe(), workload.kind, measured.prompt_tokens, list(budgets),
+                         families, points, measure_keys, time.perf_counter() - started, notes, measured.items,
+                         rules=rules, shard_run=shard_run, groups=measured.groups)
+    return judged_report(report, margin, tail_threshold)
 
 
-def mark_like_full(points: list[SweepPoint], interval_key: str | None) -> None:
-    """Each measured point's ``like_full``: whether its interval of the main measure overlaps full's (None when
-    the measure has no interval, or full's is missing)."""
-    reference = getattr(points[0], interval_key) if interval_key else None
-    for point in points:
-        own = getattr(point, interval_key) if interval_key else None
-        if point.error is None and reference is not None and own is not None:
-            point.like_full = overlap(own, reference)
+PAIRED_RULES = {
+    "binary": "each configuration against full on the same items: lost and gained items, the difference's 95% "
+              "interval by Newcombe's hybrid score method for paired proportions, the exact McNemar p",
+    "mean": "each configuration against full on the same prompts: the mean difference in agreement with a 95% "
+            "bootstrap interval over prompts",
+}
+VERDICT_RULE = ("within_margin when the interval's lower bound lies above minus the margin, worse when its upper "
+                "bound lies below zero (and the exact test rejects), inconclusive otherwise; a cliff walks each "
+                "family from its least compressed point and stops at the first not within the margin; the "
+                "recommendation needs the margin test to pass after Holm's adjustment across every point")
+GROUPS_RULE = "prompts sharing a group (one document) are resampled together in every interval"
 
 
 def budget_reversals(points: list[SweepPoint]) -> list[str]:

@@ -2,17 +2,22 @@
 batch, every configuration of a play in one streaming forward per token.
 
 Measuring is two steps so that a sweep can be cut into shards (:mod:`kvviz.studies.sweep_shards`): decoding some of
-a workload's items under every configuration gives :class:`Rows` (one small :class:`Cell` per item and configuration,
-no ledgers or tensors, so a shard is cheap to store and to send between machines); :func:`fill_points` reads the rows
-of every item, in item order, into the points (``full`` first, the reference) and returns what the report needs
-besides: the prompt length, notes, and the items or prompts it scored. Rows joined from shards fill the same points
-as rows measured in one go.
+a workload's items under every configuration gives :class:`Rows`, one :class:`ItemRecord` per item (what the item
+is, and one small :class:`Cell` per configuration: no ledgers or tensors, so a shard is cheap to store and to send
+between machines); filling reads the records of every item, in item order, into the points (``full`` first, the
+reference) and returns what the report needs besides: the prompt length, notes, and the items it scored. Records
+joined from shards fill the same points as records measured in one go. Each kind of workload is one small class
+(:class:`TaskMeasuring`, :class:`PromptMeasuring`, :class:`TextMeasuring`) with both steps.
+
+Every item is scored under every configuration, full included: a configuration is judged against full on the same
+items (:mod:`kvviz.studies.paired`), so full's misses count (they are where a configuration can gain).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvviz.engine.batched import decode_prompts
 from kvviz.engine.results import MethodResult
@@ -30,8 +35,9 @@ from kvviz.studies.workloads import PromptWorkload, TaskWorkload, TextWorkload, 
 @dataclass
 class Outcome:
     """One item (or prompt) under one configuration. ``correct``: for tasks and answered prompts; ``agreement`` and
-    ``mean_kl``: teacher-forced on full's tokens, for prompts. ``evicted``: each planted span the cache evicted from
-    some layer, with how many layers evicted it; ``cause`` of a failure as the Tail risk page gives it."""
+    ``mean_kl``: teacher-forced on full's tokens, for prompts. ``versus_full``: ``both_right``, ``lost`` (full right,
+    this wrong), ``gained`` (the reverse) or ``both_wrong``. ``evicted``: each planted span the cache evicted from some
+    layer, with how many layers evicted it; ``cause`` of a failure as the Tail risk page gives it."""
 
     item: str
     correct: bool | None = None
@@ -40,22 +46,30 @@ class Outcome:
     cause: str = ""
     evicted: dict[str, int] = field(default_factory=dict)
     answer: str = ""
+    versus_full: str = ""
+
+
+def versus(full: bool, ours: bool) -> str:
+    """An item's pair of outcomes in words (:class:`Outcome`)."""
+    return {(True, True): "both_right", (True, False): "lost", (False, True): "gained",
+            (False, False): "both_wrong"}[(full, ours)]
 
 
 @dataclass
 class Measured:
     """What measuring a workload leaves besides the points: the prompt length, notes, and the items scored (id,
-    prompt text, expected answer), listed once for the whole sweep."""
+    prompt text, expected answer), listed once for the whole sweep, with each item's group when some share one."""
 
     prompt_tokens: int
     notes: list[str]
     items: list[dict] = field(default_factory=list)
+    groups: list[str] | None = None
 
 
 @dataclass
 class Cell:
-    """One item under one configuration, reduced to what its point reads: bytes, the outcome (for tasks only on
-    items full got right), per-step KL and first divergence (prompts), perplexity (a play), or the error."""
+    """One item under one configuration, reduced to what its point reads: bytes, the outcome, per-step KL and first
+    divergence (prompts), perplexity (a play), or the error."""
 
     error: str | None = None
     kv_bytes: int = 0
@@ -69,25 +83,40 @@ class Cell:
 
 
 @dataclass
-class Rows:
-    """Some items of a workload measured under every configuration: per item its listing (id, prompt, expected),
-    whether it is kept (scored: full got it right), its prompt tokens and one :class:`Cell` per configuration."""
+class ItemRecord:
+    """One item of a workload measured under every configuration: what it is (id, prompt, expected answer), its
+    prompt tokens, the document it shares with others (``group``; None: its own) and one :class:`Cell` per
+    configuration, full first."""
 
-    listing: list[dict] = field(default_factory=list)
-    kept: list[bool] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    cells: list[list[Cell]] = field(default_factory=list)
+    listing: dict
+    tokens: int
+    cells: list[Cell]
+    group: str | None = None
+
+
+@dataclass
+class Rows:
+    """Some items of a workload measured under every configuration, one record per item, in item order."""
+
+    records: list[ItemRecord] = field(default_factory=list)
 
     @classmethod
     def join(cls, parts: Sequence[Rows]) -> Rows:
-        """The rows of several shards as one, in the order given (the items' order)."""
-        joined = cls()
-        for part in parts:
-            joined.listing += part.listing
-            joined.kept += part.kept
-            joined.tokens += part.tokens
-            joined.cells += part.cells
-        return joined
+        """The records of several shards as one, in the order given (the items' order)."""
+        return cls([record for part in parts for record in part.records])
+
+    def column(self, index: int) -> list[Cell]:
+        """Every item's cell of the configuration at ``index``."""
+        return [record.cells[index] for record in self.records]
+
+    def groups(self) -> list[str] | None:
+        """Each item's group (its own id when it has none), or None when no item shares a group."""
+        if all(record.group is None for record in self.records):
+            return None
+        return [record.group or record.listing["id"] for record in self.records]
+
+    def mean_tokens(self) -> int:
+        return round(sum(record.tokens for record in self.records) / len(self.records))
 
 
 def item_count(workload: Workload) -> int:
@@ -103,12 +132,12 @@ def measure_rows(loaded: LoadedModel, workload: Workload, specs: list[str], indi
                  progress: Progress | None = None) -> Rows:
     """Every SPEC (``full`` first) on the items at ``indices`` (all when None), as :class:`Rows`."""
     chosen = range(item_count(workload)) if indices is None else indices
-    return ROWS_OF[workload.kind](loaded, workload, specs, list(chosen), progress)
+    return MEASURING[workload.kind].rows(loaded, workload, specs, list(chosen), progress)
 
 
 def fill_points(workload: Workload, points: list, rows: Rows) -> Measured:
-    """The points filled from the rows of every item of ``workload``, and what the report needs besides."""
-    return FILL_OF[workload.kind](workload, points, rows)
+    """The points filled from the records of every item of ``workload``, and what the report needs besides."""
+    return MEASURING[workload.kind].fill(workload, points, rows)
 
 
 def cell_of(result: MethodResult, outcome: Outcome | None = None) -> Cell:
@@ -131,141 +160,147 @@ def first_error(cells: list[Cell]) -> str | None:
     return next((c.error for c in cells if c.error), None)
 
 
-def fill_accuracy(point, outcomes: list[Outcome]) -> None:
-    """Accuracy, its Wilson interval and the number of items scored, over the outcomes that have a verdict (the
-    items or prompts full got right)."""
-    scored = [o for o in outcomes if o.correct is not None]
-    right = sum(o.correct for o in scored)
-    point.items_scored = len(scored)
-    point.accuracy = right / len(scored) if scored else None
-    point.accuracy_ci = wilson(right, len(scored))
+def fill_accuracy(point, outcomes: list[Outcome], full: list[Outcome], groups: list[str] | None) -> None:
+    """Accuracy over every item and its 95% interval (Wilson; resampling whole groups when items share one), and
+    each item's outcome against full's."""
+    for ours, theirs in zip(outcomes, full, strict=True):
+        ours.versus_full = versus(bool(theirs.correct), bool(ours.correct))
+    right = sum(bool(o.correct) for o in outcomes)
+    point.items_scored = len(outcomes)
+    point.accuracy = right / len(outcomes)
+    point.accuracy_ci = (wilson(right, len(outcomes)) if groups is None else
+                         bootstrap_mean([float(bool(o.correct)) for o in outcomes], groups))
 
 
-def task_rows(loaded: LoadedModel, workload: TaskWorkload, specs: list[str], indices: list[int],
-              progress: Progress | None) -> Rows:
-    """The task's items at ``indices``, free-running, all configurations of a wave of items in one batch; an item
-    is kept (scored) only where full answers it right."""
-    every = spread_items(loaded.tokenizer, workload.task, workload.length, workload.items, workload.seed)
-    items = [every[i] for i in indices]
-    per_item = decode_prompts(loaded, [item.ids for item in items], specs, NEW_TOKENS[workload.task], FREE, progress)
-    quantized = [parse_spec(spec).quantization is not None for spec in specs]
-    rows = Rows()
-    for item, results in zip(items, per_item, strict=True):
-        kept = results[0].error is None and all(item.score(results[0].text).values())
-        cells = []
-        for result, quantizes in zip(results, quantized, strict=True):
-            outcome = None
-            if kept and result.error is None:
-                checks = item.score(result.text)
-                fates = span_fates(result.ledger, item.spans)
-                correct = all(checks.values())
-                outcome = Outcome(item.item_id, correct, cause="" if correct else failure_cause(
-                    item, checks, fates, quantizes), evicted={f.label: len(f.evicted_layers) for f in fates
-                                                              if f.evicted}, answer=result.text.strip())
-            cells.append(cell_of(result, outcome))
-        rows.listing.append({"id": item.item_id, "prompt": loaded.tokenizer.decode(item.ids),
-                             "expected": item.expected, "depth": item.depth, "kept": kept})
-        rows.kept.append(kept)
-        rows.tokens.append(len(item.ids))
-        rows.cells.append(cells)
-    return rows
+class TaskMeasuring:
+    """A task's items, free-running, all configurations of a wave of items in one batch; each item right or wrong
+    under every configuration, with the cause of each failure (the planted spans its cache evicted)."""
+
+    kind: ClassVar[str] = "task"
+
+    def rows(self, loaded: LoadedModel, workload: TaskWorkload, specs: list[str], indices: list[int],
+             progress: Progress | None) -> Rows:
+        every = spread_items(loaded.tokenizer, workload.task, workload.length, workload.items, workload.seed)
+        items = [every[i] for i in indices]
+        per_item = decode_prompts(loaded, [item.ids for item in items], specs, NEW_TOKENS[workload.task], FREE,
+                                  progress)
+        quantized = [parse_spec(spec).quantization is not None for spec in specs]
+        rows = Rows()
+        for item, results in zip(items, per_item, strict=True):
+            cells = []
+            for result, quantizes in zip(results, quantized, strict=True):
+                outcome = None
+                if result.error is None:
+                    checks = item.score(result.text)
+                    fates = span_fates(result.ledger, item.spans)
+                    correct = all(checks.values())
+                    outcome = Outcome(item.item_id, correct, cause="" if correct else failure_cause(
+                        item, checks, fates, quantizes), evicted={f.label: len(f.evicted_layers) for f in fates
+                                                                  if f.evicted}, answer=result.text.strip())
+                cells.append(cell_of(result, outcome))
+            listing = {"id": item.item_id, "prompt": loaded.tokenizer.decode(item.ids), "expected": item.expected,
+                       "depth": item.depth, "full_correct": cells[0].outcome is not None and cells[0].outcome.correct}
+            rows.records.append(ItemRecord(listing, len(item.ids), cells))
+        return rows
+
+    def fill(self, workload: TaskWorkload, points: list, rows: Rows) -> Measured:
+        full = rows.column(0)
+        for index, point in enumerate(points):
+            cells = rows.column(index)
+            point.error = first_error(cells)
+            if point.error is not None:
+                continue
+            fill_bytes(point, cells, full)
+            point.outcomes = [cell.outcome for cell in cells]
+            fill_accuracy(point, point.outcomes, [cell.outcome for cell in full], None)
+        right = sum(bool(c.outcome and c.outcome.correct) for c in full)
+        notes = [f"The full cache is right on {right} of {len(full)} items ({right / len(full):.0%}); every "
+                 "configuration is scored on all of them and judged against full item by item."]
+        return Measured(rows.mean_tokens(), notes, [record.listing for record in rows.records])
 
 
-def fill_task(workload: TaskWorkload, points: list, rows: Rows) -> Measured:
-    """Accuracy of every point on the items full got right, with each item's outcome and its cause."""
-    kept = [cells for cells, keep in zip(rows.cells, rows.kept, strict=True) if keep]
-    for index, point in enumerate(points):
-        point.error = first_error([cells[index] for cells in rows.cells])
-        if point.error is not None or not kept:
-            continue
-        cells = [row[index] for row in kept]
-        fill_bytes(point, cells, [row[0] for row in kept])
-        point.outcomes = [cell.outcome for cell in cells]
-        fill_accuracy(point, point.outcomes)
-    if not kept:
-        for point in points:
-            point.error = point.error or "the full cache got no item right at these settings: nothing to score"
-    notes = [f"{len(kept)} of {len(rows.cells)} items kept: the full cache got them right (the others are not "
-             "scored)"]
-    return Measured(round(sum(rows.tokens) / len(rows.tokens)), notes, rows.listing)
+class PromptMeasuring:
+    """A prompt set, one batch per wave: teacher-forced agreement and KL on every prompt; with answers also
+    free-running outputs scored right or wrong, full's included."""
 
+    kind: ClassVar[str] = "prompt"
 
-def prompt_rows(loaded: LoadedModel, workload: PromptWorkload, specs: list[str], indices: list[int],
-                progress: Progress | None) -> Rows:
-    """The prompts at ``indices`` in one batch per wave: teacher-forced agreement and KL on every prompt; with
-    answers also free-running outputs, a prompt kept for accuracy where full's output holds its answer."""
-    answered = workload.answered
-    prompts = [workload.prompts[i] for i in indices]
-    per_prompt = decode_prompts(loaded, [p.ids for p in prompts], specs, workload.max_new_tokens,
-                                BOTH if answered else FORCED, progress)
-    rows = Rows()
-    for prompt, results in zip(prompts, per_prompt, strict=True):
-        kept = answered and results[0].error is None and answer_found(prompt.answer, results[0].text)
-        rows.cells.append([cell_of(result, Outcome(
-            prompt.name, answer_found(prompt.answer, result.text) if kept else None, result.agreement_with_full,
-            result.mean_kl, answer=result.text.strip() if answered else "")) for result in results])
-        rows.listing.append({"id": prompt.name, "prompt": prompt.text, "expected": prompt.answer})
-        rows.kept.append(kept)
-        rows.tokens.append(len(prompt.ids))
-    return rows
+    def rows(self, loaded: LoadedModel, workload: PromptWorkload, specs: list[str], indices: list[int],
+             progress: Progress | None) -> Rows:
+        answered = workload.answered
+        prompts = [workload.prompts[i] for i in indices]
+        per_prompt = decode_prompts(loaded, [p.ids for p in prompts], specs, workload.max_new_tokens,
+                                    BOTH if answered else FORCED, progress)
+        rows = Rows()
+        for prompt, results in zip(prompts, per_prompt, strict=True):
+            cells = [cell_of(result, Outcome(
+                prompt.name, answer_found(prompt.answer, result.text) if answered and result.error is None else None,
+                result.agreement_with_full, result.mean_kl, answer=result.text.strip() if answered else ""))
+                for result in results]
+            listing = {"id": prompt.name, "prompt": prompt.text, "expected": prompt.answer}
+            if prompt.group is not None:
+                listing["group"] = prompt.group
+            rows.records.append(ItemRecord(listing, len(prompt.ids), cells, prompt.group))
+        return rows
 
-
-def fill_prompts(workload: PromptWorkload, points: list, rows: Rows) -> Measured:
-    """Agreement, KL and their tails of every point over every prompt; with answers, accuracy on the kept ones."""
-    for column, point in enumerate(points):
-        cells = [row[column] for row in rows.cells]
-        point.error = first_error(cells)
-        if point.error is not None:
-            continue
-        fill_bytes(point, cells, [row[0] for row in rows.cells])
-        point.outcomes = [cell.outcome for cell in cells]
-        agreements = [o.agreement for o in point.outcomes]
-        point.agreement_with_full = sum(agreements) / len(agreements)
-        point.agreement_ci = bootstrap_mean(agreements)
-        point.worst_prompt_agreement = min(agreements)
-        point.mean_kl = sum(o.mean_kl for o in point.outcomes) / len(point.outcomes)
-        point.kl_p95 = percentile([kl for c in cells for kl in c.kl_per_step], 0.95)
-        divergences = [c.first_divergence for c in cells if c.first_divergence is not None]
-        point.first_divergence = min(divergences) if divergences else None
-        point.items_scored = len(cells)
+    def fill(self, workload: PromptWorkload, points: list, rows: Rows) -> Measured:
+        groups = rows.groups()
+        full = rows.column(0)
+        for column, point in enumerate(points):
+            cells = rows.column(column)
+            point.error = first_error(cells)
+            if point.error is not None:
+                continue
+            fill_bytes(point, cells, full)
+            point.outcomes = [cell.outcome for cell in cells]
+            agreements = [o.agreement for o in point.outcomes]
+            point.agreement_with_full = sum(agreements) / len(agreements)
+            point.agreement_ci = bootstrap_mean(agreements, groups)
+            point.worst_prompt_agreement = min(agreements)
+            point.mean_kl = sum(o.mean_kl for o in point.outcomes) / len(point.outcomes)
+            point.kl_p95 = percentile([kl for c in cells for kl in c.kl_per_step], 0.95)
+            divergences = [c.first_divergence for c in cells if c.first_divergence is not None]
+            point.first_divergence = min(divergences) if divergences else None
+            point.items_scored = len(cells)
+            if workload.answered:
+                fill_accuracy(point, point.outcomes, [cell.outcome for cell in full], groups)
+        notes = []
         if workload.answered:
-            fill_accuracy(point, point.outcomes)
-    notes = []
-    if workload.answered:
-        kept = sum(rows.kept)
-        notes.append(f"{kept} of {len(rows.cells)} prompts kept for accuracy: the full cache's output holds their "
-                     "answer (agreement and KL cover every prompt)")
-        if not kept:
-            for point in points:
-                point.error = point.error or "the full cache answered no prompt right: nothing to score"
-    return Measured(workload.sizing_length(), notes, rows.listing)
+            right = sum(bool(c.outcome.correct) for c in full)
+            notes.append(f"The full cache's output holds the answer on {right} of {len(full)} prompts; every "
+                         "configuration is scored on all of them and judged against full prompt by prompt.")
+        if groups is not None:
+            notes.append(f"{len(set(groups))} groups of prompts sharing a document: every interval resamples whole "
+                         "groups.")
+        return Measured(workload.sizing_length(), notes, [record.listing for record in rows.records], groups)
 
 
-def text_rows(loaded: LoadedModel, workload: TextWorkload, specs: list[str], indices: list[int],
-              progress: Progress | None) -> Rows:
+class TextMeasuring:
     """Streaming perplexity of every SPEC on the play (its one item), all of them fed each token in one forward."""
-    try:
-        text = play_text(workload.play)
-    except LookupError as error:
-        raise ValueError(str(error).strip("'\"")) from None
-    ids = loaded.tokenizer(text)["input_ids"][: workload.tokens]
-    outcomes = streaming_perplexities(loaded, ids, specs, progress)
-    cells = [Cell(str(o)) if isinstance(o, SpecError) else Cell(kv_bytes=o.kv_bytes, perplexity=o.ppl)
-             for o in outcomes]
-    return Rows([], [False], [len(ids)], [cells])
+
+    kind: ClassVar[str] = "text"
+
+    def rows(self, loaded: LoadedModel, workload: TextWorkload, specs: list[str], indices: list[int],
+             progress: Progress | None) -> Rows:
+        try:
+            text = play_text(workload.play)
+        except LookupError as error:
+            raise ValueError(str(error).strip("'\"")) from None
+        ids = loaded.tokenizer(text)["input_ids"][: workload.tokens]
+        outcomes = streaming_perplexities(loaded, ids, specs, progress)
+        cells = [Cell(str(o)) if isinstance(o, SpecError) else Cell(kv_bytes=o.kv_bytes, perplexity=o.ppl)
+                 for o in outcomes]
+        return Rows([ItemRecord({"id": workload.play}, len(ids), cells)])
+
+    def fill(self, workload: TextWorkload, points: list, rows: Rows) -> Measured:
+        cells = rows.records[0].cells
+        full_bytes = cells[0].kv_bytes if cells[0].error is None else None
+        for point, cell in zip(points, cells, strict=True):
+            if cell.error is not None:
+                point.error = cell.error
+                continue
+            point.kv_bytes, point.kv_bytes_full, point.perplexity = cell.kv_bytes, full_bytes, cell.perplexity
+        return Measured(rows.records[0].tokens, [])
 
 
-def fill_text(workload: TextWorkload, points: list, rows: Rows) -> Measured:
-    """Each point's perplexity and bytes, full's bytes beside them."""
-    cells = rows.cells[0]
-    full_bytes = cells[0].kv_bytes if cells[0].error is None else None
-    for point, cell in zip(points, cells, strict=True):
-        if cell.error is not None:
-            point.error = cell.error
-            continue
-        point.kv_bytes, point.kv_bytes_full, point.perplexity = cell.kv_bytes, full_bytes, cell.perplexity
-    return Measured(rows.tokens[0], [])
-
-
-ROWS_OF = {"task": task_rows, "prompt": prompt_rows, "text": text_rows}
-FILL_OF = {"task": fill_task, "prompt": fill_prompts, "text": fill_text}
+MEASURING = {m.kind: m for m in (TaskMeasuring(), PromptMeasuring(), TextMeasuring())}

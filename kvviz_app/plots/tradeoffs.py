@@ -1,5 +1,6 @@
-"""The Trade-offs page's figures: quality against compression with each point's interval, the frontier and each
-family's cliff; and, for task items, one outcome grid per family (items x budgets, each failure's cause)."""
+"""The Trade-offs page's figures: quality against compression with each point's interval and its verdict against
+full, the frontier and each family's cliff; and, for task items, one outcome grid per family (items x budgets: both
+right, lost with its cause, gained, both wrong)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,20 @@ import math
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvviz.studies.frontier import LIKE_FULL, MEASURES
+from kvviz.studies.frontier import MEASURES
+from kvviz.studies.paired import INCONCLUSIVE, WITHIN, WORSE
 from kvviz.studies.sweep import SweepPoint, SweepReport
+from kvviz.studies.verdicts import family_cliffs
 
-OUTCOME_COLORS = {"correct": "#2e7d32", "evicted": "#c62828", "quantization": "#ef6c00", "not evicted": "#6a1b9a"}
-OUTCOME_LABELS = {"correct": "right", "evicted": "wrong: a planted span it needed was evicted",
-                  "quantization": "wrong: nothing planted evicted, the stack quantizes",
-                  "not evicted": "wrong: every planted span stayed"}
+OUTCOME_COLORS = {"both_right": "#2e7d32", "evicted": "#c62828", "quantization": "#ef6c00",
+                  "not evicted": "#6a1b9a", "gained": "#1565c0", "both_wrong": "#9e9e9e"}
+OUTCOME_LABELS = {"both_right": "right where full is right", "evicted": "lost: a planted span it needed was evicted",
+                  "quantization": "lost: nothing planted evicted, the stack quantizes",
+                  "not evicted": "lost: every planted span stayed", "gained": "gained: right where full is wrong",
+                  "both_wrong": "wrong where full is wrong"}
+VERDICT_SYMBOLS = {WITHIN: "circle", INCONCLUSIVE: "circle-open", WORSE: "x"}
+VERDICT_LEGEND = {WITHIN: "proven within the margin of full", INCONCLUSIVE: "inconclusive: could hide a larger loss",
+                  WORSE: "worse than full", "cliff": "cliff: a family's most compressed point proven within the margin"}
 
 
 def budget_label(point: SweepPoint) -> str:
@@ -26,9 +34,10 @@ def budget_label(point: SweepPoint) -> str:
 
 def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
     """Quality (``measure_key``) against how many times smaller than full, log scale, one line per family. Points
-    carry their 95% interval as error bars; hollow markers are indistinguishable from full at this sample size; a
-    star marks each family's cliff; full's interval is a grey band; the frontier is drawn over the lines. For a prompt
-    set, each family's worst prompt is a dotted line under its mean."""
+    carry their 95% interval as error bars and their verdict against full on that measure as the marker (filled:
+    proven within the margin; open: inconclusive; x: worse); a star marks each family's cliff; full is a diamond
+    with its interval as a grey band; the frontier is drawn under the lines. For a prompt set, each family's worst
+    prompt is a dotted line under its mean."""
     measure = MEASURES[measure_key]
     points = [p for p in report.points if p.error is None and p.compression is not None
               and getattr(p, measure_key) is not None]
@@ -46,9 +55,8 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
     figure.add_trace(go.Scatter(x=[p.compression for p in frontier], y=[getattr(p, measure_key) for p in frontier],
                                 name="frontier", mode="lines", hoverinfo="skip",  # first: under the families' lines
                                 line={"color": "rgba(0, 0, 0, 0.18)", "width": 10}))
-    cliffs = {c.spec for c in report.cliffs.values() if c is not None and c.spec}
-    families = list(dict.fromkeys(p.family for p in points))
-    for family in families:
+    cliffs = {c.spec for c in family_cliffs(report, measure_key).values() if c is not None and c.spec}
+    for family in dict.fromkeys(p.family for p in points):
         members = sorted((p for p in points if p.family == family),
                          key=lambda p: (p.budget if p.budget is not None else 0, p.compression))
         values = [getattr(p, measure_key) for p in members]
@@ -58,13 +66,12 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
             error = {"type": "data", "symmetric": False, "thickness": 1.2, "width": 4,
                      "array": [0 if b is None else b[1] - v for b, v in zip(bounds, values, strict=True)],
                      "arrayminus": [0 if b is None else v - b[0] for b, v in zip(bounds, values, strict=True)]}
-        symbols = ["star" if p.spec in cliffs else ("circle-open" if p.like_full else "circle") for p in members]
-        hover = [_hover(p, measure_key) for p in members]
+        symbols = [_symbol(p, measure_key, cliffs) for p in members]
         figure.add_trace(go.Scatter(
             x=[p.compression for p in members], y=values, name=family, legendgroup=family, mode="lines+markers",
-            error_y=error, marker={"symbol": symbols, "size": [15 if p.spec in cliffs else 9 for p in members],
+            error_y=error, marker={"symbol": symbols, "size": [15 if p.spec in cliffs else 10 for p in members],
                                    "line": {"width": 2}},
-            hovertext=hover, hoverinfo="text"))
+            hovertext=[_hover(p, measure_key, report.margin) for p in members], hoverinfo="text"))
         worst = [p.worst_prompt_agreement for p in members]
         if measure_key == "agreement_with_full" and all(w is not None for w in worst):
             figure.add_trace(go.Scatter(
@@ -72,23 +79,35 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
                 mode="lines+markers", line={"dash": "dot", "width": 1}, marker={"symbol": "x", "size": 6},
                 opacity=0.6, hovertext=[f"<b>{p.spec}</b><br>worst prompt {w:.0%}" for p, w in
                                         zip(members, worst, strict=True)], hoverinfo="text"))
-    if interval and any(p.like_full is not None for p in points):
-        for symbol, name in (("circle-open", LIKE_FULL), ("star", "cliff: the most compressed point still "
-                                                                   "indistinguishable from full")):
-            figure.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
-                                        marker={"symbol": symbol, "size": 10, "color": "black"}))
+    judged = any(measure_key in p.paired_by_measure for p in points)
+    legend = ({verdict: symbol for verdict, symbol in VERDICT_SYMBOLS.items()} | {"cliff": "star"}) if judged else {}
+    for key, symbol in legend.items():
+        figure.add_trace(go.Scatter(x=[None], y=[None], mode="markers", hoverinfo="skip",
+                                    name=VERDICT_LEGEND[key].replace("the margin", f"{report.margin:g} points"),
+                                    marker={"symbol": symbol, "size": 10, "color": "black"}))
     top = max(p.compression for p in points)
     ticks = [2.0 ** k for k in range(0, 1 + math.ceil(math.log2(max(2.0, top))))]
     figure.update_xaxes(type="log", title="compression (times smaller than full, log scale)", tickvals=ticks,
                         ticktext=[f"{t:g}x" for t in ticks])
     figure.update_yaxes(title=measure.label + ("" if measure.higher_is_better else " (lower is better)"),
                         tickformat=".0%" if measure.percent else None)
-    figure.update_layout(title=f"{measure.label.capitalize()} against memory: {report.workload}",
-                         legend_title="family", hovermode="closest", height=520)
+    title = f"{measure.label.capitalize()} against memory: {report.workload}"
+    if not judged:
+        title += " (no verdict on this measure)"
+    figure.update_layout(title=title, legend_title="family · verdict", hovermode="closest", height=540)
     return figure
 
 
-def _hover(point: SweepPoint, measure_key: str) -> str:
+def _symbol(point: SweepPoint, measure_key: str, cliffs: set[str]) -> str:
+    if point.spec == "full":
+        return "diamond"
+    if point.spec in cliffs:
+        return "star"
+    paired = point.paired_by_measure.get(measure_key)
+    return "circle" if paired is None else VERDICT_SYMBOLS[paired.verdict]
+
+
+def _hover(point: SweepPoint, measure_key: str, margin: float) -> str:
     measure = MEASURES[measure_key]
     value = getattr(point, measure_key)
     bound = getattr(point, measure.interval) if measure.interval else None
@@ -96,23 +115,36 @@ def _hover(point: SweepPoint, measure_key: str) -> str:
              f"{measure.label} {measure.with_interval(value, bound)}"]
     if point.items_scored:
         lines.append(f"{point.items_scored} scored")
-    if point.like_full:
-        lines.append(LIKE_FULL)
+    paired = point.paired_by_measure.get(measure_key)
+    if paired is not None:
+        against = f"lost {paired.lost}, gained {paired.gained}" if paired.p_value is not None else \
+            f"{paired.lost} below full"
+        lines += [f"vs full: {against}; difference {paired.interval_text()}",
+                  f"verdict at {margin:g} points: {paired.verdict} ({paired.describe()})"]
+        if paired.p_value is not None:
+            lines.append(f"McNemar p {paired.p_value:.3g} (Holm {paired.p_adjusted:.3g})")
     return "<br>".join(lines)
 
 
 def outcome_cells(report: SweepReport, family: str) -> pd.DataFrame:
-    """One row per (item, point) of ``family``: the item, the point's SPEC and budget label, the outcome (``correct``
-    or a failure's cause), the output and the planted spans its cache evicted (with how many layers did)."""
-    members = sorted((p for p in report.points if p.family == family and p.error is None and p.outcomes),
-                     key=lambda p: (p.budget if p.budget is not None else 0, p.compression or 0))
+    """One row per (item, point) of ``family`` and of full: the item, the point's SPEC and budget label, the outcome
+    against full (``both_right``, ``gained``, ``both_wrong``, or a lost item's cause), the output and the planted
+    spans its cache evicted (with how many layers did)."""
+    members = sorted((p for p in report.points if (p.family == family or p.spec == "full") and p.error is None
+                      and p.outcomes), key=lambda p: (p.spec != "full", p.budget or 0, p.compression or 0))
     rows = []
     for point in members:
         for outcome in point.outcomes:
             evicted = ", ".join(f"{label} ({layers} layer{'s' if layers != 1 else ''})"
                                 for label, layers in outcome.evicted.items())
-            rows.append({"item": outcome.item, "spec": point.spec, "budget": budget_label(point),
-                         "outcome": "correct" if outcome.correct else outcome.cause or "not evicted",
+            if point.spec == "full":
+                kind = "both_right" if outcome.correct else "both_wrong"
+            elif outcome.versus_full == "lost":
+                kind = outcome.cause or "not evicted"
+            else:
+                kind = outcome.versus_full
+            rows.append({"item": outcome.item, "spec": point.spec,
+                         "budget": "full" if point.spec == "full" else budget_label(point), "outcome": kind,
                          "answer": outcome.answer, "evicted": evicted})
     return pd.DataFrame(rows, columns=["item", "spec", "budget", "outcome", "answer", "evicted"])
 
@@ -141,7 +173,8 @@ def outcome_grid(cells: pd.DataFrame, family: str) -> go.Figure:
                                     marker={"symbol": "square", "size": 12, "color": OUTCOME_COLORS[kind]}))
     figure.update_yaxes(autorange="reversed", title="item (task:length:depth:trial)", type="category")
     figure.update_xaxes(title="budget · compression", type="category", side="top")
-    figure.update_layout(title=f"{family}: every item at every budget", height=max(320, 22 * len(items) + 160),
+    figure.update_layout(title=f"{family}: every item at every budget, against full",
+                         height=max(320, 22 * len(items) + 160),
                          legend={"orientation": "h", "y": -0.08}, margin={"t": 110})
     return figure
 

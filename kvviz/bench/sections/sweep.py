@@ -88,7 +88,7 @@ def _task(run: BenchRun, section: Section, families: list[str]) -> None:
                      f"before the sweep, half after) and extrapolated to {len(items)} items")
     section.add("sweep_task_vs_one_at_a_time", sweep_seconds / one_at_a_time, "x", "<= 0.35")
     section.add("sweep_task_same_as_compare", not differ, target="== True",
-                note=f"the answers of {len(compared)} sampled (item, SPEC) pairs that full calibrated"
+                note=f"the answers of {len(compared)} sampled (item, SPEC) pairs"
                      + (f"; {len(differ)} differ: {'; '.join(differ)}" if differ else ""))
 
 
