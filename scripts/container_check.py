@@ -256,7 +256,7 @@ def check(figures: dict) -> None:
         browse(True, figures)
         parts["browser"] = round(time.monotonic() - started, 1)
 
-        stored = {p: t for p, t in files("/models/kvviz").items() if "/results/" in p}
+        stored = {p for p in files("/models/kvviz") if "/results/" in p}
         started = time.monotonic()
         sh("docker", "restart", NAME)
         figures["restart_healthy_seconds"] = round(wait_health("healthy", started), 1)
@@ -266,11 +266,10 @@ def check(figures: dict) -> None:
         figures["model_converted_again"] = {p: t for p, t in after.items() if "/results/" not in p} != model_files
         figures["results_stored"] = len(stored)
         # the same results on the volume (a load marks its file used), shown at once: read, not run again
-        figures["restart_kept_results"] = (bool(stored) and {p for p in after if "/results/" in p} == set(stored)
+        figures["restart_kept_results"] = (bool(stored) and {p for p in after if "/results/" in p} == stored
                                            and figures["restart_compare_seconds"] <= AT_ONCE_SECONDS
                                            and not figures["model_converted_again"] and bool(model_files))
 
-        started = time.monotonic()
         figures["bad_setting_named"], seconds, figures["bad_setting_output"] = bad_setting()
         figures["bad_setting_seconds"] = parts["bad_setting"] = round(seconds, 1)
         figures["unhealthy_when_killed"], seconds = hung_server()
