@@ -25,13 +25,15 @@ from kvviz.engine.session import PromptSession, compare
 from kvviz.planning.memory import model_card
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.cluster import ClusterConfig, ModelSource
-from kvviz.runtime.models import LoadedModel, cache_dir
+from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
+from kvviz.runtime.settings import results_folder
 from kvviz.studies.needle import NeedleReport, run_needle_grid
 from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
 from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, run_sweep
 from kvviz.studies.sweep_ray import sharded_rows
+from kvviz.studies.sweep_shards import ModelKey, ShardKey
 from kvviz.studies.tail import TailReport, run_tail
 from kvviz.studies.workloads import Workload
 
@@ -247,13 +249,13 @@ class ResultStore:
     @classmethod
     def default(cls) -> ResultStore:
         """``KVVIZ_RESULTS`` if set, else ``results/`` under kvviz's cache folder (``KVVIZ_CACHE``)."""
-        return cls(Path(os.environ.get("KVVIZ_RESULTS") or cache_dir() / "results"))
+        return cls(results_folder())
 
-    def path(self, loaded: LoadedModel, request: RunRequest) -> Path:
+    def path(self, loaded: ModelKey, request: RunRequest | ShardKey) -> Path:
         identity = (code_fingerprint(), request.kind, loaded.name, str(loaded.device), str(loaded.dtype), request)
         return self.root / request.kind / f"{hashlib.sha256(repr(identity).encode()).hexdigest()}.pkl"
 
-    def load(self, loaded: LoadedModel, request: RunRequest) -> Any | None:
+    def load(self, loaded: ModelKey, request: RunRequest | ShardKey) -> Any | None:
         """The stored result, or None (absent, or unreadable: it is then recomputed)."""
         path = self.path(loaded, request)
         try:
@@ -265,7 +267,7 @@ class ResultStore:
         os.utime(path)  # recently used: pruned last
         return result
 
-    def save(self, loaded: LoadedModel, request: RunRequest, result: Any) -> None:
+    def save(self, loaded: ModelKey, request: RunRequest | ShardKey, result: Any) -> None:
         """Write atomically (a reader never sees half a file), then prune the oldest results over the size cap."""
         path = self.path(loaded, request)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,12 @@ def families_from_link(offered: list[str], default: list[str]) -> tuple[Read[lis
     return Read(listed, notice), " ".join(typed)
 
 
+# How long the server keeps its Ray workers (and their GPUs) after a sweep, for the next one: loading the model on
+# every worker costs minutes, and a class's sweeps come in bursts; then the cluster has them back.
+KEEP_WORKERS_SECONDS = 600.0
+
+
 def sweep_cluster(ray_address: str) -> ClusterConfig | None:
     """Where the page's sweeps run: the Ray cluster ``KVVIZ_RAY_ADDRESS`` names (one worker per GPU, two shards
-    each), or None, this server, when it is empty."""
-    return ClusterConfig(ray_address) if ray_address else None
+    each, kept :data:`KEEP_WORKERS_SECONDS` after a sweep), or None, this server, when it is empty."""
+    return ClusterConfig(ray_address, keep_seconds=KEEP_WORKERS_SECONDS) if ray_address else None

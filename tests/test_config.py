@@ -1,14 +1,29 @@
 """Settings from the environment and the messages failures turn into."""
 
+import ast
 import re
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from kvviz.methods import SpecError
 from kvviz.runtime.faults import describe_error
-from kvviz.runtime.settings import APP, MAX_PROMPT_TOKENS, VARIABLES, Settings, SettingsError
+from kvviz.runtime.settings import (
+    APP,
+    CLI,
+    COMPOSE,
+    ENTRY_POINT,
+    GPU_CHECK,
+    LOADING,
+    MAKEFILE,
+    MAX_PROMPT_TOKENS,
+    STORE,
+    VARIABLES,
+    Settings,
+    SettingsError,
+)
 
 
 def test_defaults_and_class_mode():
@@ -39,25 +54,112 @@ def test_errors_become_actionable_messages():
     assert describe_error(RuntimeError("bad\ntrace")) == "RuntimeError: bad"
 
 
-READERS = ("kvviz", "kvviz_app", "views", "app.py", "docker", "Dockerfile", "compose.yaml", "scripts", "Makefile")
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON_SOURCES = ("kvviz", "kvviz_app", "views", "app.py")
+SETTINGS = ROOT / "kvviz" / "runtime" / "settings.py"
+SHELL_READERS = (ENTRY_POINT, COMPOSE, GPU_CHECK)  # readers that are files, named by their path
 
 
-def _read_code() -> str:
-    root = Path(__file__).resolve().parents[1]
-    files = [p for name in READERS for p in ([root / name] if (root / name).is_file() else (root / name).rglob("*"))
-             if p.is_file() and p.suffix in ("", ".py", ".sh", ".yaml") and p.name != "settings.py"]
-    return "\n".join(p.read_text() for p in files)
+def environment_uses(source: str) -> list[str]:
+    """Where ``source`` touches the process environment other than by a commented write (``os.environ[X] = ...``
+    with its reason on that line or the one above: configuring Ray or a child process): one ``line: code`` each."""
+    tree, lines = ast.parse(source), source.splitlines()
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "os":
+            uses = any(a.name in ("environ", "getenv", "putenv", "unsetenv") for a in node.names)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os":
+            uses = node.attr in ("environ", "environb", "getenv", "putenv", "unsetenv")
+            parent = parents.get(node)
+            if uses and isinstance(parent, ast.Subscript) and isinstance(parent.ctx, ast.Store):
+                uses = not any("#" in lines[n] for n in (node.lineno - 2, node.lineno - 1) if n >= 0)
+        else:
+            continue
+        if uses:
+            found.append((node.lineno, f"{node.lineno}: {lines[node.lineno - 1].strip()}"))
+    return [use for _, use in sorted(found)]
 
 
-def test_every_environment_variable_the_code_reads_is_declared_once():
-    """The docs' one table is rendered from VARIABLES, so a variable read anywhere must be declared there."""
-    code = _read_code()
-    read = set(re.findall(r"\bKVVIZ_[A-Z_]+\b", code)) | set(re.findall(r"environ\.get\(\"([A-Z_]+)\"", code))
-    declared = [v.name for v in VARIABLES]
-    assert len(declared) == len(set(declared))
-    assert read - set(declared) == set(), "declare these in kvviz/runtime/settings.py's VARIABLES"
-    unread = [v.name for v in VARIABLES if v.read_by != APP and not re.search(rf"\b{v.name}\b", code)]
-    assert unread == [], "declared but read nowhere outside Settings.from_env"
+def test_only_the_settings_module_reads_the_environment():
+    files = [ROOT / name for name in PYTHON_SOURCES if (ROOT / name).is_file()]
+    files += [p for name in PYTHON_SOURCES if (ROOT / name).is_dir() for p in (ROOT / name).rglob("*.py")]
+    uses = {str(p.relative_to(ROOT)): environment_uses(p.read_text()) for p in files if p != SETTINGS}
+    assert {path: found for path, found in uses.items() if found} == {}, \
+        "read the environment through kvviz/runtime/settings.py (a Variable declared in VARIABLES)"
+
+
+def test_the_environment_check_catches_reads_and_uncommented_writes():
+    source = """import os
+from os import environ
+a = os.environ.get("A")
+b = os.getenv("B")
+c = {**os.environ}
+os.environ["D"] = "0"
+# Ray reads E when it is imported
+os.environ["E"] = "0"
+os.environ["F"] = "0"  # the child process reads F
+"""
+    assert [use.split(":")[0] for use in environment_uses(source)] == ["2", "3", "4", "5", "6"]
+
+
+def shell_reads(text: str) -> dict[str, str | None]:
+    """The variables a shell script or compose file takes from its environment, each with the default it gives
+    (``${NAME:-default}``; None when it gives none): those with a default, and those it uses without setting."""
+    assigned = set(re.findall(r"^\s*(?:export\s+)?([A-Za-z_]\w*)=", text, flags=re.M))
+    reads: dict[str, str | None] = {}
+    for name, default in re.findall(r"\$\{([A-Za-z_]\w*):-([^}]*)\}", text):
+        reads[name] = default
+    for name in re.findall(r"\$\{?([A-Za-z_]\w*)", text):
+        if name not in assigned:
+            reads.setdefault(name, None)
+    return reads
+
+
+@pytest.mark.parametrize("reader", SHELL_READERS)
+def test_every_variable_a_script_or_compose_reads_is_declared_with_its_default(reader):
+    reads = shell_reads((ROOT / reader).read_text())
+    declared = {v.name: v for v in VARIABLES if reader in v.read_by or (reader == COMPOSE and v.compose)}
+    assert set(reads) == set(declared), "declare it in kvviz/runtime/settings.py's VARIABLES, naming this reader"
+    if reader != GPU_CHECK:  # the GPU check runs the checkout's .venv, not the image's interpreter
+        expected = {n: v.compose_default() if reader == COMPOSE and v.compose else v.default
+                    for n, v in declared.items()}
+        assert reads == expected, "a default given here differs from the declared one"
+
+
+def test_the_makefile_reads_what_the_declarations_say():
+    defaults = dict(re.findall(r"^(\w+) \?= (.*)$", (ROOT / MAKEFILE).read_text(), flags=re.M))
+    assert set(defaults) == {v.name for v in VARIABLES if MAKEFILE in v.read_by}
+    assert defaults["PORT"] == next(v.default for v in VARIABLES if v.name == "PORT")
+
+
+def test_compose_passes_every_setting_and_nothing_else():
+    environment = yaml.safe_load((ROOT / COMPOSE).read_text())["x-kvviz"]["environment"]
+    assert list(environment) == [v.name for v in VARIABLES if v.compose]
+    python_read = {v.name for v in VARIABLES if {APP, CLI, LOADING, STORE} & set(v.read_by)}
+    assert python_read <= set(environment), "every variable kvviz's Python reads is a setting compose passes"
+
+
+def test_a_class_mode_container_started_by_compose_has_valid_settings():
+    """compose passes KVVIZ_MODEL empty unless set, so class mode's first allowed model is the default."""
+    passed = {v.name: v.compose_default() for v in VARIABLES if v.compose}
+    settings = Settings.from_env(passed | {"KVVIZ_ALLOWED_MODELS": "Qwen/Qwen2.5-0.5B-Instruct"})
+    assert settings.model == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert Settings.from_env(passed) == Settings()
+
+
+def test_the_image_sets_what_the_declarations_say():
+    text = (ROOT / "Dockerfile").read_text()
+    blocks = "\n".join(block for block in re.split(r"\n(?=[A-Z]+ )", text) if block.startswith("ENV "))
+    env = dict(re.findall(r"\b([A-Z_]+)=(\S+?)\s*(?:\\|$)", blocks, flags=re.M))
+    declared = {v.name for v in VARIABLES}
+    assert {n: value for n, value in env.items() if n in declared} == {v.name: v.image for v in VARIABLES if v.image}
+
+
+def test_the_docs_table_lists_every_declared_variable():
+    table = (ROOT / "docs" / "deployment.md").read_text().split("<!-- generated: environment -->")[1]
+    assert re.findall(r"^\| `(\w+)` \|", table.split("<!-- end generated")[0], flags=re.M) == [
+        v.name for v in VARIABLES]
 
 
 def test_settings_take_their_defaults_from_the_declarations():

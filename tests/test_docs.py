@@ -93,3 +93,75 @@ def test_the_readme_names_every_method_on_its_axis():
     rows = {kind: re.search(rf"^\| {kind} \|.*$", (ROOT / "README.md").read_text(), re.M) for kind in KINDS}
     named = {kind: set(re.findall(r"`(\w+)`", row.group(0))) for kind, row in rows.items() if row}
     assert named == {kind: {n for n, cls in REGISTRY.items() if cls.kind == kind} for kind in KINDS}
+
+
+def _figures_table() -> str:
+    text = (ROOT / "docs" / "performance.md").read_text()
+    return text.split("| target | figure | value |")[1].split("\n\n")[0]
+
+
+def test_every_target_the_bench_declares_has_a_current_figure():
+    table = _figures_table()
+    missing = [f"{section}.{figure}" for section, figure, _, _ in _tables_script().declared_targets()
+               if f"`{figure}`" not in table]
+    assert missing == [], "add a row to docs/performance.md's current figures"
+
+
+def test_the_current_figures_name_only_targets_the_bench_declares():
+    declared = {figure for _, figure, _, _ in _tables_script().declared_targets()}
+    named = set()
+    for row in _figures_table().splitlines()[2:]:
+        figure = row.split(" | ")[1]
+        if re.search(r"[<>=]=|[<>] ", figure):
+            named |= set(re.findall(r"`([^`]+)`", figure))
+    assert named - declared == set(), "a target no code checks"
+
+
+def test_the_benchmark_lists_every_section():
+    text = (ROOT / "docs" / "performance.md").read_text().split("## The benchmark")[1].split("\n## ")[0]
+    assert [s for s in _tables_script().section_order() if f"`{s}`" not in text] == []
+
+
+def test_the_target_reader_follows_conditions_locals_and_parameters():
+    import ast
+
+    tree = ast.parse("""
+def measure(section, loaded, bound):
+    name = f"{loaded.name}_vs_full"
+    section.add(name, 1.0, "x", "<= 0.5" if loaded.device == "cpu" else "")
+    section.add("same", True, target="== True")
+    section.add("both", 1.0, "x", bound)
+    section.add("untargeted", 1.0, "x")
+
+def run(section, loaded):
+    measure(section, loaded, "<= 2")
+""")
+    assert _tables_script().targets_in(tree) == [("*_vs_full", "<= 0.5", "on a CPU"), ("same", "== True", ""),
+                                                 ("both", "<= 2", "")]
+
+
+def test_the_architecture_quotes_compares_defaults():
+    import ast
+
+    tree = ast.parse((ROOT / "views" / "2_Compare.py").read_text())
+    specs = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                 and any(getattr(t, "id", "") == "DEFAULT_SPECS" for t in n.targets))
+    quoted = (ROOT / "docs" / "architecture.md").read_text().split("**Compare's defaults**")[1].split("\n\n")[0]
+    assert [spec for spec in specs if f"`{spec}`" not in quoted] == []
+
+
+def test_cli_md_names_every_field_of_a_cliff():
+    from dataclasses import fields
+
+    from kvviz.studies.verdicts import Cliff
+
+    listed = re.search(r"`cliff` is `\{([^}]*)\}`", (ROOT / "docs" / "cli.md").read_text()).group(1)
+    assert re.findall(r'"(\w+)"', listed) == [f.name for f in fields(Cliff)] + ["sentence"]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+def test_the_page_tables_follow_the_sidebar(doc):
+    sidebar = re.findall(r'st\.Page\("views/[^"]+", title="([^"]+)"', (ROOT / "app.py").read_text())
+    rows = re.findall(r"^\| ([A-Z][\w -]+?) \| ", (ROOT / doc).read_text(), flags=re.M)
+    assert [row for row in rows if row in sidebar] == [title for title in sidebar if title in rows]
+    assert len([row for row in rows if row in sidebar]) >= 8

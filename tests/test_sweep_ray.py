@@ -1,22 +1,24 @@
 """Sweeps on a local Ray cluster of 2 CPUs: the same report as in process, resumable from the result store, a killed
-worker losing nothing, and a worker without the model named. One Ray instance for the module (each start costs
-seconds); the workers load a tiny random-weight model saved to a folder."""
+worker losing nothing, a worker without the model named and its start's actors killed, another address refused.
+One Ray instance for the module (each start costs seconds), on loopback; the workers load a tiny random-weight model
+saved to a folder."""
 
 import json
 import os
 import signal
+import time
 
 import pytest
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported: the node is 127.0.0.1
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when Ray is imported: the node is 127.0.0.1
 ray = pytest.importorskip("ray")
 
 from kvviz.cli import main  # noqa: E402
 from kvviz.runs import ResultStore  # noqa: E402
-from kvviz.runtime.cluster import ClusterConfig, ClusterError, ModelSource, WorkerPool  # noqa: E402
+from kvviz.runtime.cluster import ClusterConfig, ClusterError, ModelSource, WorkerPool, connect, disconnect  # noqa: E402
 from kvviz.runtime.models import load_model  # noqa: E402
 from kvviz.studies.sweep import run_sweep  # noqa: E402
-from kvviz.studies.sweep_ray import release_workers, sharded_rows, worker_pool  # noqa: E402
+from kvviz.studies.sweep_ray import KEPT, sharded_rows  # noqa: E402
 from kvviz.studies.workloads import PromptCase, PromptWorkload  # noqa: E402
 
 SPECS = ["snapkv", "kivi:residual=0"]
@@ -26,11 +28,11 @@ TIMED = ("seconds", "shard_seconds", "ray_address", "workers", "shards", "shards
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False,
-             configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    assert ray.util.get_node_ip_address() == "127.0.0.1", "the variable alone keeps a local node on loopback"
     yield
-    release_workers()
-    ray.shutdown()
+    KEPT.close()
+    disconnect()
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +88,9 @@ def test_a_ray_sweep_reports_what_the_process_does_and_resumes_from_stored_shard
 
 def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(cluster, folder, loaded, tmp_path):
     workload = prompt_set(6)
-    config, source = ClusterConfig(workers=2, shard_items=1), ModelSource(str(folder), "cpu")
-    pool = worker_pool(config, source)
-    first = pool.pids()
+    config, source = ClusterConfig(workers=2, shard_items=1, keep_seconds=60), ModelSource(str(folder), "cpu")
+    with KEPT.lease(config, source) as pool:
+        first = pool.pids()
     killed: list[int] = []
 
     def kill_on_first_shard(fraction: float, message: str) -> None:
@@ -100,6 +102,7 @@ def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(clust
     store = ResultStore(tmp_path)
     report = run_sweep(loaded, workload, SPECS, BUDGETS, kill_on_first_shard,
                        sharded_rows(config, source, workload, store))
+    assert KEPT.kept() == [pool], "the sweep ran on the kept workers and kept them again"
     assert killed and set(pool.pids()).isdisjoint(first)  # Ray restarted both workers
     assert report.shard_run.shards == 6 and report.shard_run.shards_reused == 0
     assert [item["id"] for item in report.items] == [f"p{i}" for i in range(6)]
@@ -109,16 +112,31 @@ def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(clust
     assert without_timing(report.to_json()) == without_timing(here.to_json())
 
 
-def test_a_worker_without_the_model_is_named(cluster):
-    release_workers()
-    with pytest.raises(ClusterError, match=r"worker 127\.0\.0\.1 \(pid \d+\) cannot load kvviz-test/no-such-model"):
-        WorkerPool(ClusterConfig(workers=1), ModelSource("kvviz-test/no-such-model", "cpu"))
+def test_a_worker_without_the_model_is_named_and_the_start_gives_its_cpus_back(cluster):
+    KEPT.close()
+    with pytest.raises(ClusterError, match=r"^worker 127\.0\.0\.1 \(pid \d+\) cannot load kvviz-test/no-such-model"):
+        WorkerPool(ClusterConfig(workers=2), ModelSource("kvviz-test/no-such-model", "cpu"))
+    deadline = time.monotonic() + 10
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2, "the failed start's actors were killed"
+
+
+def test_joining_another_address_is_refused_while_this_process_holds_one(cluster):
+    here = ray.get_runtime_context().gcs_address
+    connect(ClusterConfig())  # a local instance on loopback: this one
+    connect(ClusterConfig(here))
+    for other in ("127.0.0.1:1", "ray://127.0.0.1:10001", "auto"):
+        with pytest.raises(ClusterError, match=f"already joined to the Ray cluster at {here}; it cannot join {other}"):
+            connect(ClusterConfig(other))
 
 
 def test_with_a_ray_address_the_trade_offs_page_sweeps_on_the_cluster(cluster, monkeypatch):
     from tests.tradeoffs_page import opened, sweep
 
-    monkeypatch.setenv("KVVIZ_RAY_ADDRESS", "auto")  # this process's instance answers to auto
+    here = ray.get_runtime_context().gcs_address
+    monkeypatch.setenv("KVVIZ_RAY_ADDRESS", here)  # the module's instance, by its address
     app = sweep(opened(), "streaming_llm", 0.25, "needle", 2)
     assert "configurations on 2 needle items" in app.success[0].value
-    assert any("Measured on the Ray cluster: 2 shards on 1 Ray worker (auto)" in str(c.value) for c in app.caption)
+    assert any(f"Measured on the Ray cluster: 2 shards on 1 Ray worker ({here})" in str(c.value) for c in app.caption)
+    assert len(KEPT.kept()) == 1, "the server keeps its workers for the next sweep"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kvviz.runtime.allocator import ENVIRONMENT as MEMORY_KEEPING_ENVIRONMENT
+from kvviz.runtime.settings import child_environment
 
 ROOT = Path(__file__).resolve().parents[2]
 # The page's root before its first script run, while one is under way, or while a rerun waits for it.
@@ -100,7 +101,7 @@ def served_app(log_path: Path, env: dict[str, str] | None = None, startup: float
             [sys.executable, "-m", "streamlit", "run", "app.py", "--server.port", str(port), "--server.address",
              "127.0.0.1", "--server.headless", "true", "--browser.gatherUsageStats", "false"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **MEMORY_KEEPING_ENVIRONMENT, **(env or {})},
+            env=child_environment({"TOKENIZERS_PARALLELISM": "false", **MEMORY_KEEPING_ENVIRONMENT, **(env or {})}),
         )
         url = f"http://127.0.0.1:{port}"
         try:

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 from kvviz.methods import parse_spec
 from kvviz.runtime.cluster import ModelSource
 from kvviz.runtime.models import DEFAULT_MODEL, WEIGHT_MODES, LoadedModel
+from kvviz.runtime.settings import MODEL
 
 
 class UsageError(Exception):
@@ -16,7 +16,7 @@ class UsageError(Exception):
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=os.environ.get("KVVIZ_MODEL", DEFAULT_MODEL),
+    parser.add_argument("--model", default=MODEL.value(),
                         help=f"embedded default ({DEFAULT_MODEL}), a hub id or a local folder (env KVVIZ_MODEL)")
     parser.add_argument("--device", default=None, help="auto (default; env KVVIZ_DEVICE), cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default=None, help="auto (bf16 on CUDA, fp32 elsewhere), float32, bfloat16")

@@ -3,14 +3,20 @@ joined by address (``auto``, ``ray://head:10001``).
 
 Ray is optional (``pip install`` :data:`RAY_REQUIREMENT`) and imported only here, only when a cluster is asked for.
 Every failure a user can meet is a :class:`ClusterError` of one line, within seconds: Ray missing (naming the install
-command), an address nobody answers at (naming it), a worker that cannot load the model (naming its node). A worker
-process that dies mid-job is restarted by Ray and its job retried (:data:`RETRIES`), so a job's result arrives once.
+command), an address nobody answers at (naming it), a worker that cannot load the model (naming its node), a process
+already joined to another address. A worker process that dies mid-job is restarted by Ray and its job retried
+(:data:`RETRIES`), so a job's result arrives once. A :class:`WorkerPool` holds cluster resources until it is closed:
+use it as a context manager (its actors are killed on exit, and when its start fails).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import ipaddress
 import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,11 +55,14 @@ class ModelSource:
 @dataclass(frozen=True)
 class ClusterConfig:
     """Where work goes: ``address`` None starts a local Ray instance bound to 127.0.0.1; ``workers`` None is one per
-    GPU of the cluster (one when it has none); ``shard_items`` None cuts two shards per worker."""
+    GPU of the cluster (one when it has none); ``shard_items`` None cuts two shards per worker; ``keep_seconds``:
+    how long idle workers stay up for the next sweep (0: released when the sweep ends;
+    :class:`kvviz.studies.sweep_ray.WorkerPools` keeps them)."""
 
     address: str | None = None
     workers: int | None = None
     shard_items: int | None = None
+    keep_seconds: float = 0.0
 
     def describe(self) -> str:
         return self.address or LOCAL
@@ -68,6 +77,11 @@ class WorkerIdentity:
     name: str
     device: str
     dtype: str
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported (asked without importing it: see :func:`connect`)."""
+    return importlib.util.find_spec("ray") is not None
 
 
 def import_ray():
@@ -93,23 +107,92 @@ def check_reachable(address: str, timeout: float = CONNECT_SECONDS) -> None:
                            f"{error.strerror or error}") from None
 
 
-def connect(config: ClusterConfig) -> None:
-    """Join the cluster ``config`` names, or start a local instance whose processes listen on 127.0.0.1 only;
-    nothing when Ray already runs in this process (a server or a test keeps one)."""
-    if config.address is None:  # read when Ray is imported: a node of one then takes 127.0.0.1 as its address
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray = import_ray()
-    if ray.is_initialized():
-        return
-    if config.address is None:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False, configure_logging=False)
-        return
-    check_reachable(config.address)
+class WorkerLoadError(ClusterError):
+    """A worker could not load the model (raised in the worker; the driver reads it back from Ray's wrapper)."""
+
+
+def _loopback(host: str) -> bool:
     try:
-        ray.init(config.address, log_to_driver=False, configure_logging=False)
-    except (ConnectionError, RuntimeError, TimeoutError) as error:
-        raise ClusterError(f"cannot join the Ray cluster at {config.address}: {str(error).splitlines()[0]}") from None
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+@dataclass(frozen=True)
+class Joined:
+    """The one Ray connection a process holds: the address it was asked for (:data:`LOCAL` for a local instance)
+    and the address of its cluster's control store (``host:port``)."""
+
+    asked: str
+    gcs: str
+
+    def serves(self, address: str) -> bool:
+        """Whether ``address`` names this connection: as asked, as its control store's ``host:port``, or
+        :data:`LOCAL` for an instance on loopback."""
+        if address in (self.asked, self.gcs):
+            return True
+        return address == LOCAL and _loopback(self.gcs.rpartition(":")[0])
+
+
+_joining = threading.Lock()  # one connect at a time: Ray holds one connection per process
+_joined: list[Joined] = []  # what connect() joined, while Ray stays initialized (Ray's own state is process-wide)
+
+
+def joined(ray) -> Joined:
+    """The connection this process holds: the one :func:`connect` made, or one made elsewhere (a test, a
+    notebook), described by its control store's address."""
+    gcs = ray.get_runtime_context().gcs_address
+    if _joined and _joined[0].gcs == gcs:
+        return _joined[0]
+    return Joined(gcs, gcs)
+
+
+def connect(config: ClusterConfig) -> None:
+    """Join the cluster ``config`` names, or start a local instance whose processes listen on 127.0.0.1 only.
+
+    Ray holds one connection per process: one this process already holds is kept when it serves the address asked
+    for (:meth:`Joined.serves`); one to any other address is a ClusterError, never silently reused."""
+    wanted = config.describe()
+    with _joining:
+        if config.address is None:
+            # Ray reads this once, when it is imported: "0" makes the node it starts take 127.0.0.1 as its address,
+            # and its processes then listen there only (checked below; docs/deployment.md says how it was measured).
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray = import_ray()
+        if ray.is_initialized():
+            held = joined(ray)
+            if not held.serves(wanted):
+                raise ClusterError(f"this process is already joined to the Ray cluster at {held.asked}; it cannot "
+                                   f"join {wanted} as well (restart it to switch)")
+            return
+        if config.address is None:
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, configure_logging=False)
+            if not _loopback(node := ray.util.get_node_ip_address()):  # Ray was imported before the line above
+                ray.shutdown()
+                raise ClusterError(f"a local Ray instance would listen on {node}, not 127.0.0.1: Ray was imported "
+                                   "before kvviz set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (set it before starting)")
+        else:
+            check_reachable(config.address)
+            try:
+                ray.init(config.address, log_to_driver=False, configure_logging=False)
+            except (ConnectionError, RuntimeError, TimeoutError) as error:
+                raise ClusterError(f"cannot join the Ray cluster at {config.address}: "
+                                   f"{str(error).splitlines()[0]}") from None
+        _joined[:] = [Joined(wanted, ray.get_runtime_context().gcs_address)]
+
+
+def ray_running() -> bool:
+    """Whether this process holds a Ray connection (asked without importing Ray)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
+
+
+def disconnect() -> None:
+    """Leave the cluster (a local instance stops); the next :func:`connect` may join any address."""
+    ray = import_ray()
+    with _joining:
+        ray.shutdown()
+        _joined.clear()
 
 
 class _Worker:
@@ -128,15 +211,16 @@ class _Worker:
             self.loaded = self.source.load()
         return self.loaded
 
-    def identify(self) -> WorkerIdentity | str:
-        """Who this worker is and what it loaded, or why it could not load the model."""
+    def identify(self) -> WorkerIdentity:
+        """Who this worker is and what it loaded; WorkerLoadError naming its node when it cannot load the model."""
         import ray
 
         node = ray.util.get_node_ip_address()
         try:
             loaded = self._model()
         except Exception as error:  # noqa: BLE001 - any load failure is the message the driver names the worker by
-            return f"worker {node} (pid {os.getpid()}) cannot load {self.source.name}: {error}"
+            raise WorkerLoadError(f"worker {node} (pid {os.getpid()}) cannot load {self.source.name}: "
+                                  f"{error}") from None
         return WorkerIdentity(node, os.getpid(), loaded.name, str(loaded.device), str(loaded.dtype))
 
     def run(self, job: Callable[..., Any], *args: Any) -> tuple[Any, float]:
@@ -154,8 +238,8 @@ class WorkerPool:
     (several workers then share the cores). On a cluster each worker uses what Ray gives it."""
 
     def __init__(self, config: ClusterConfig, source: ModelSource):
+        connect(config)  # first: a local instance must not see Ray imported before it could keep it on loopback
         ray = import_ray()
-        connect(config)
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
         self.size = config.workers or max(1, gpus)
@@ -171,17 +255,37 @@ class WorkerPool:
         actor = ray.remote(_Worker).options(num_cpus=cpus, num_gpus=1 if gpus else 0, max_restarts=RETRIES,
                                             max_task_retries=RETRIES)
         threads = torch.get_num_threads() if config.address is None else None
-        self.actors = [actor.remote(source, threads) for _ in range(self.size)]
-        found = ray.get([a.identify.remote() for a in self.actors])
-        problems = [f for f in found if isinstance(f, str)]
+        self.actors: list[Any] = []
+        try:  # whatever stops the start (a worker's error, Ctrl-C) kills the actors started so far
+            self.actors = [actor.remote(source, threads) for _ in range(self.size)]
+            self.workers = self._identify(ray)
+            if len({(w.name, w.device, w.dtype) for w in self.workers}) > 1:
+                raise ClusterError("the workers loaded the model differently: " + ", ".join(
+                    f"{w.node} {w.device} {w.dtype}" for w in self.workers) + "; give --device and --dtype")
+        except BaseException:
+            self.close()
+            raise
+
+    def _identify(self, ray) -> list[WorkerIdentity]:
+        """Every worker's identity once it loaded the model; one ClusterError naming each that could not."""
+        found, problems = [], []
+        for ref in [a.identify.remote() for a in self.actors]:
+            try:
+                found.append(ray.get(ref))
+            except ray.exceptions.RayTaskError as error:
+                cause = error.cause if isinstance(error.cause, WorkerLoadError) else error
+                problems.append(str(cause).splitlines()[0])
+            except ray.exceptions.RayActorError as error:
+                problems.append(f"a worker died while loading the model: {str(error).splitlines()[0]}")
         if problems:
-            self.close()
             raise ClusterError("; ".join(problems))
-        self.workers: list[WorkerIdentity] = found
-        if len({(w.name, w.device, w.dtype) for w in found}) > 1:
-            self.close()
-            raise ClusterError("the workers loaded the model differently: " + ", ".join(
-                f"{w.node} {w.device} {w.dtype}" for w in found) + "; give --device and --dtype")
+        return found
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     @property
     def identity(self) -> WorkerIdentity:
@@ -219,6 +323,8 @@ class WorkerPool:
         return [w.pid for w in ray.get([a.identify.remote() for a in self.actors])]
 
     def close(self) -> None:
+        """Kill the workers: their CPUs and GPUs go back to the cluster (again: nothing)."""
         ray = import_ray()
-        for actor in self.actors:
+        actors, self.actors = self.actors, []
+        for actor in actors:
             ray.kill(actor)

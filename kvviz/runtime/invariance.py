@@ -10,9 +10,9 @@ plain linear layer pads its input to the next row count whose results agree with
 model's own weights when it loads): a few zero rows for a step of few rows, nothing for larger ones.
 
 A loop that feeds one row and never shares its forwards (the one-method-at-a-time decode, streaming perplexity) runs
-its row as it comes (:func:`rows_as_they_come`): one row alone takes a faster kernel than any padded count (a decode
-step of SmolLM2 at 2K tokens 1.3-1.4x longer padded to 4, 1.25x to 8, measured on the 2-core CPU), and such a row is
-never compared bit for bit with a batch's.
+its row as it comes (:func:`rows_as_they_come`): one row alone takes a faster kernel than any padded count (the
+figures are in docs/performance.md, "Batched comparison"), and such a row is never compared bit for bit with a
+batch's.
 
 Accelerators are left alone: their libraries choose kernels (split reductions) in ways padding cannot pin.
 """

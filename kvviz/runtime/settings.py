@@ -1,8 +1,12 @@
 """Deployment settings from the environment, read in one place and checked once.
 
 Every environment variable kvviz or its container reads is declared once in :data:`VARIABLES` (name, default,
-meaning, who reads it); :meth:`Settings.from_env` reads its own from there, and :func:`variables_markdown` renders
-the table docs/deployment.md carries (tests/test_docs.py checks the two agree).
+meaning, who reads it, what the image and compose.yaml pass). Python reads the environment only here:
+:meth:`Settings.from_env` for the app's settings, :meth:`Variable.value` for the few that loaders read (the cache
+folder, the result store, the hub), and :func:`child_environment` for a child process started with extra
+variables. :func:`variables_markdown` renders the table docs/deployment.md carries; tests/test_config.py checks the
+declarations against every reader (the shell scripts, the Makefile, compose.yaml, the Dockerfile) and that no other
+module reads ``os.environ``.
 """
 
 from __future__ import annotations
@@ -10,81 +14,141 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-from kvviz.runtime.models import DEFAULT_MODEL
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (kvviz.runtime.models loads it from its wheel)
 
-APP = "app"  # read through Settings.from_env: the app, and `python -m kvviz config`, which checks them
+# Who reads a variable (the table's "read by" column). The last four are files tests/test_config.py parses.
+APP = "app"  # through Settings.from_env: the app, and `python -m kvviz config`, which checks them
+CLI = "CLI"
+LOADING = "model loading"
+STORE = "result store"
+HUB_LIBRARY = "Hugging Face libraries"  # they take a blank value as given, not as unset
+ENTRY_POINT = "docker/entrypoint.sh"
+COMPOSE = "compose.yaml"
+GPU_CHECK = "scripts/gpu_check.sh"
+MAKEFILE = "Makefile"  # its `NAME ?= default` lines: make takes NAME from the environment when it is set there
+TRUE = ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)
 class Variable:
-    """One environment variable: what unset means (``default``, as a user would write it), why it exists and who
-    reads it (:data:`VARIABLES` holds every one; the app's own are read by :meth:`Settings.from_env`)."""
+    """One environment variable: what unset means (``default``, as a user would write it), why it exists, who reads
+    it, what the container image sets it to (``image``, Dockerfile ``ENV``) and whether compose.yaml passes it to
+    the container (``compose``: every setting is; not the container's own networking, the interpreter, process
+    tuning, test switches, or what compose or scripts read themselves)."""
 
     name: str
     default: str
     meaning: str
-    read_by: str = APP
+    read_by: tuple[str, ...] = (APP,)
     shown: str = ""  # the default as the table shows it, where the raw text would not say it
+    image: str = ""
+    compose: bool = True
 
     def read(self, environ: Mapping[str, str]) -> str:
         """The value ``environ`` sets, stripped; ``default`` when it is unset or blank."""
         return environ.get(self.name, "").strip() or self.default
 
-    def table_default(self) -> str:
-        return self.shown or (f"`{self.default}`" if self.default else "empty")
+    def value(self) -> str:
+        """The value this process's environment sets (:meth:`read` of ``os.environ``)."""
+        return self.read(os.environ)
+
+    def on(self) -> bool:
+        """Whether this process's environment switches it on (1, true, yes or on)."""
+        return self.value().lower() in TRUE
+
+    def compose_default(self) -> str:
+        """What compose.yaml passes when the variable is unset where compose runs: the image's value, else empty,
+        which kvviz and its scripts take as unset (so the default lives here only); the default where the Hugging
+        Face libraries read it."""
+        return self.image or (self.default if HUB_LIBRARY in self.read_by else "")
+
+    def table_row(self) -> str:
+        default = self.shown or (f"`{self.default}`" if self.default else "empty")
+        if self.image:
+            default += f"; the image: `{self.image}`"
+        compose = "passed" if self.compose else ("reads it" if COMPOSE in self.read_by else "")
+        return f"| `{self.name}` | {default} | {', '.join(self.read_by)} | {compose} | {self.meaning} |"
 
 
 MODEL = Variable("KVVIZ_MODEL", DEFAULT_MODEL, "model preselected in the app; the CLI's `--model` default",
-                 read_by=f"{APP}, CLI", shown=f"`{DEFAULT_MODEL}` (class mode: the first allowed)")
+                 read_by=(APP, CLI), shown=f"`{DEFAULT_MODEL}` (class mode: the first allowed)")
 ALLOWED_MODELS = Variable("KVVIZ_ALLOWED_MODELS", "", "comma-separated models; set, it is class mode: users pick "
                           "only from this list (no typed hub ids)", shown="empty (free choice)")
 MAX_PROMPT_TOKENS = Variable("KVVIZ_MAX_PROMPT_TOKENS", "4096", "longer prompts are refused (the app offers to cut "
                              "the middle)")
 MAX_NEW_TOKENS = Variable("KVVIZ_MAX_NEW_TOKENS", "256", "cap on generated tokens per method")
 DEVICE = Variable("KVVIZ_DEVICE", "auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps",
-                  read_by=f"{APP}, CLI")
+                  read_by=(APP, CLI, LOADING))
 MAX_ITEMS = Variable("KVVIZ_MAX_ITEMS", "128", "most task items, or prompts of a prompt set, one Trade-offs sweep "
                      "scores (a larger request is refused, naming this limit)")
 MAX_UPLOAD_MB = Variable("KVVIZ_MAX_UPLOAD_MB", "2", "largest prompt file accepted (the container passes it to "
-                         "Streamlit's upload limit too)", read_by=f"{APP}, container entry point")
+                         "Streamlit's upload limit too)", read_by=(APP, ENTRY_POINT))
 PRESSES = Variable("KVVIZ_PRESSES", "", "comma-separated dotted paths of your own kvpress presses "
-                   "(`kvpress_native:press=...`)", read_by=f"{APP}, CLI")
+                   "(`kvpress_native:press=...`)", read_by=(APP, CLI))
+ALLOW_PRESSES = Variable("KVVIZ_ALLOW_PRESSES", "0", "1: offer `KVVIZ_PRESSES` in class mode too")
 RAY_ADDRESS = Variable("KVVIZ_RAY_ADDRESS", "", "a Ray cluster (`auto`, `ray://head:10001`) the Trade-offs page "
                        "sends its sweeps to, in shards on its workers, each stored as it finishes",
                        shown="empty (sweeps run in the server)")
-ALLOW_PRESSES = Variable("KVVIZ_ALLOW_PRESSES", "0", "1: offer `KVVIZ_PRESSES` in class mode too")
+CACHE = Variable("KVVIZ_CACHE", "~/.cache/kvviz", "where converted models live (in the image: the models volume)",
+                 read_by=(LOADING,), image="/models/kvviz")
+RESULTS = Variable("KVVIZ_RESULTS", "", "the result store: finished runs on disk, keyed by inputs, model and "
+                   "kvviz's code", read_by=(STORE,), shown="`$KVVIZ_CACHE/results`")
+HUB_OFFLINE = Variable("HF_HUB_OFFLINE", "", "1: hub ids are looked up in the local Hugging Face cache only",
+                       read_by=(LOADING, HUB_LIBRARY), image="1")
+HUB_ENDPOINT = Variable("HF_ENDPOINT", "https://huggingface.co", "the hub a 3-second probe checks before a hub id "
+                        "downloads", read_by=(LOADING, HUB_LIBRARY))
 
 VARIABLES: tuple[Variable, ...] = (
     MODEL, ALLOWED_MODELS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS, MAX_ITEMS, DEVICE, MAX_UPLOAD_MB, PRESSES, ALLOW_PRESSES,
-    RAY_ADDRESS,
-    Variable("KVVIZ_CACHE", "~/.cache/kvviz", "where converted models live (the image sets `/models/kvviz`, "
-             "the models volume)", read_by="model loading"),
-    Variable("KVVIZ_RESULTS", "", "the result store: finished runs on disk, keyed by inputs, model and kvviz's code",
-             read_by="result store", shown="`$KVVIZ_CACHE/results`"),
+    RAY_ADDRESS, CACHE, RESULTS, HUB_OFFLINE, HUB_ENDPOINT,
+    Variable("HF_HOME", "~/.cache/huggingface", "the Hugging Face cache hub models download to (in the image: the "
+             "models volume, where the build bakes `HUB_MODELS`)", read_by=(HUB_LIBRARY,), image="/models/huggingface"),
     Variable("KVVIZ_WARM", "1", "the container warms the result store before serving (0: serve at once)",
-             read_by="container entry point"),
-    Variable("KVVIZ_ADDRESS", "0.0.0.0", "address the container's server listens on", read_by="container entry point"),
-    Variable("PORT", "8501", "port the container's server listens on", read_by="container entry point"),
+             read_by=(ENTRY_POINT,)),
+    Variable("KVVIZ_ADDRESS", "0.0.0.0", "address the container's server listens on (compose publishes the "
+             "container's port)", read_by=(ENTRY_POINT,), compose=False),
+    Variable("PORT", "8501", "port the server listens on (compose keeps the container's at 8501, where its port "
+             "mapping and the proxy point: set `KVVIZ_PORT`)", read_by=(ENTRY_POINT, MAKEFILE), compose=False),
+    Variable("PYTHON", "python", "the interpreter the scripts run kvviz with (make: the one that creates `.venv`)",
+             read_by=(ENTRY_POINT, GPU_CHECK, MAKEFILE),
+             shown="`python` (the GPU check: `.venv/bin/python`; make: `python3`)", compose=False),
+    Variable("MALLOC_ARENA_MAX", "2", "glibc's arena cap the entry point starts the server with "
+             "(kvviz/runtime/allocator.py says why)", read_by=(ENTRY_POINT,), compose=False),
+    Variable("PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION", "python", "protobuf's implementation the entry point starts "
+             "the server with (kvviz/runtime/allocator.py says why)", read_by=(ENTRY_POINT,), compose=False),
     Variable("KVVIZ_ENTRYPOINT_DRY_RUN", "0", "1: the entry point prints its commands instead of running them (tests)",
-             read_by="container entry point"),
-    Variable("KVVIZ_PORT", "8501", "host port `docker compose up` publishes", read_by="compose.yaml"),
+             read_by=(ENTRY_POINT,), compose=False),
+    Variable("KVVIZ_PORT", "8501", "host port `docker compose up` publishes", read_by=(COMPOSE,), compose=False),
     Variable("KVVIZ_REPLICAS", "3", "replicas behind the proxy (`--profile scaled`); each loads its own model",
-             read_by="compose.yaml"),
+             read_by=(COMPOSE,), compose=False),
+    Variable("HUB_MODELS", "", "comma-separated hub models the image bakes in (compose's build argument)",
+             read_by=(COMPOSE,), compose=False),
     Variable("KVVIZ_TOKENIZER", "artifacts/tokenizer", "tokenizer folder the GPU check carries for the classroom "
-             "section", read_by="scripts/gpu_check.sh"),
-    Variable("HF_HUB_OFFLINE", "", "1: hub ids are looked up in the local Hugging Face cache only (the image sets 1)",
-             read_by="model loading"),
-    Variable("HF_ENDPOINT", "https://huggingface.co", "the hub a 3-second probe checks before a hub id downloads",
-             read_by="model loading"),
+             "section", read_by=(GPU_CHECK,), compose=False),
 )
 
 
 def variables_markdown() -> str:
     """The one table of environment variables, as docs/deployment.md carries it."""
-    rows = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
-    rows += [f"| `{v.name}` | {v.table_default()} | {v.read_by} | {v.meaning} |" for v in VARIABLES]
-    return "\n".join(rows)
+    rows = ["| variable | default | read by | compose | meaning |", "|---|---|---|---|---|"]
+    return "\n".join(rows + [v.table_row() for v in VARIABLES])
+
+
+def cache_folder() -> Path:
+    """Where kvviz keeps converted checkpoints and, by default, its result store (``KVVIZ_CACHE``)."""
+    return Path(CACHE.value()).expanduser()
+
+
+def results_folder() -> Path:
+    """The result store's folder: ``KVVIZ_RESULTS``, else ``results/`` under :func:`cache_folder`."""
+    return Path(RESULTS.value()).expanduser() if RESULTS.value() else cache_folder() / "results"
+
+
+def child_environment(extra: Mapping[str, str]) -> dict[str, str]:
+    """This process's environment with ``extra`` added: what a child process is started with."""
+    return {**os.environ, **extra}
 
 
 class SettingsError(ValueError):
@@ -154,6 +218,6 @@ class Settings:
             device=DEVICE.read(environ),
             max_upload_mb=_positive_int(environ, MAX_UPLOAD_MB),
             presses=_names(environ, PRESSES),
-            allow_presses_in_class_mode=ALLOW_PRESSES.read(environ).lower() in ("1", "true", "yes"),
+            allow_presses_in_class_mode=ALLOW_PRESSES.read(environ).lower() in TRUE,
             ray_address=RAY_ADDRESS.read(environ),
         )

@@ -222,13 +222,17 @@ class SweepReport:
     def to_frame(self):
         import pandas as pd
 
-        rows = [{k: v for k, v in p.to_json().items() if k not in ("factors", "outcomes")} for p in self.points]
+        hidden = ("factors", "outcomes", "paired", "paired_by_measure")
+        rows = [{k: v for k, v in p.to_json().items() if k not in hidden} | _paired_columns(p.paired)
+                for p in self.points]
         return pd.DataFrame(rows)
 
     def markdown(self) -> str:
-        """One table row per point, each measure with its interval where it has one."""
+        """One table row per point, each measure with its interval where it has one, and the main measure's paired
+        comparison with full: lost/gained, the difference with its interval, the verdict."""
         measures = [m for m in MEASURES.values() if any(getattr(p, m.key) is not None for p in self.points)]
-        header = ["spec", "family", "budget", "KV bytes", "compression", *(m.label for m in measures), "frontier"]
+        header = ["spec", "family", "budget", "KV bytes", "compression", *(m.label for m in measures),
+                  "lost / gained", "vs full [95%]", f"verdict at {self.margin:g} points", "frontier"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for p in self.points:
             values = [getattr(p, m.key) for m in measures]
@@ -237,11 +241,21 @@ class SweepReport:
                      "" if p.compression is None else f"{p.compression:.2f}x",
                      *("" if v is None else m.with_interval(v, getattr(p, m.interval) if m.interval else None)
                        for m, v in zip(measures, values, strict=True)),
-                     "yes" if p.frontier else ""]
+                     "" if p.paired is None else f"{p.paired.lost} / {p.paired.gained}",
+                     "" if p.paired is None else p.paired.interval_text(),
+                     "" if p.paired is None else f"`{p.paired.verdict}`", "yes" if p.frontier else ""]
             if p.error:
                 cells[-1] = f"error: {p.error}"
             lines.append("| " + " | ".join(cells) + " |")
         return "\n".join(lines)
+
+
+def _paired_columns(paired: Paired | None) -> dict:
+    """The main measure's comparison with full as table columns (empty for full)."""
+    if paired is None:
+        return {"verdict": None, "lost": None, "gained": None, "versus_full": None, "p_adjusted": None}
+    return {"verdict": paired.verdict, "lost": paired.lost, "gained": paired.gained,
+            "versus_full": paired.interval_text(), "p_adjusted": paired.p_adjusted}
 
 
 def _cliff_json(cliff: Cliff | None) -> dict | None:

@@ -9,22 +9,25 @@ keeps every shard that finished; running it again measures only the missing ones
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Protocol
 
 from kvviz.runtime.cluster import ClusterConfig, ModelSource, WorkerIdentity, WorkerPool
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 from kvviz.studies.sweep_measure import Rows, item_count, measure_rows
-from kvviz.studies.sweep_shards import ShardKey, ShardRun, cut_shards, shard_size
+from kvviz.studies.sweep_shards import ModelKey, ShardKey, ShardRun, cut_shards, shard_size
 from kvviz.studies.workloads import Workload
 
 
 class ShardStore(Protocol):
     """Where finished shards live (:class:`kvviz.runs.ResultStore`), keyed by the workers' model and the shard."""
 
-    def load(self, loaded: Any, request: ShardKey) -> Rows | None: ...
+    def load(self, model: ModelKey, request: ShardKey) -> Rows | None: ...
 
-    def save(self, loaded: Any, request: ShardKey, result: Rows) -> None: ...
+    def save(self, model: ModelKey, request: ShardKey, result: Rows) -> None: ...
 
 
 def measure_shard(loaded: LoadedModel, workload: Workload, specs: tuple[str, ...], items: tuple[int, ...]) -> Rows:
@@ -32,24 +35,86 @@ def measure_shard(loaded: LoadedModel, workload: Workload, specs: tuple[str, ...
     return measure_rows(loaded, workload, list(specs), items)
 
 
-_pools: dict[tuple[ClusterConfig, ModelSource], WorkerPool] = {}
+PoolKey = tuple[ClusterConfig, ModelSource]
 
 
-def worker_pool(config: ClusterConfig, source: ModelSource) -> WorkerPool:
-    """The workers of ``config`` holding ``source``'s model, started once per process and kept for later sweeps
-    (workers for another model or count replace them)."""
-    key = (config, source)
-    if key not in _pools:
-        release_workers()
-        _pools[key] = WorkerPool(config, source)
-    return _pools[key]
+class WorkerPools:
+    """Worker pools kept between sweeps: a server's workers stay up for the next sweep for ``keep_seconds`` of its
+    :class:`ClusterConfig` (loading an 8B model on every worker costs minutes), then go back to the cluster.
 
+    A pool is lent to one sweep at a time (:meth:`lease`) and never closed while lent; one kept pool at most (a
+    sweep for another cluster or model releases it); a sweep that fails closes its pool. A context manager:
+    leaving it releases what is kept."""
 
-def release_workers() -> None:
-    """Stop the workers this process keeps (their CPUs and GPUs go back to the cluster)."""
-    for pool in list(_pools.values()):
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._kept: dict[PoolKey, WorkerPool] = {}
+        self._timer: threading.Timer | None = None
+
+    @contextmanager
+    def lease(self, config: ClusterConfig, source: ModelSource) -> Iterator[WorkerPool]:
+        """A pool of ``config``'s workers holding ``source``'s model, kept afterwards for ``config.keep_seconds``."""
+        key = (config, source)
+        with self._lock:
+            pool = self._kept.pop(key, None)
+            others = self._take_all()
+        for other in others:
+            other.close()
+        if pool is None:
+            pool = WorkerPool(config, source)
+        try:
+            yield pool
+        except BaseException:
+            pool.close()
+            raise
+        if config.keep_seconds <= 0:
+            pool.close()
+            return
+        with self._lock:
+            others = self._take_all()
+            self._kept[key] = pool
+            self._timer = threading.Timer(config.keep_seconds, self._expire, (key, pool))
+            self._timer.daemon = True
+            self._timer.start()
+        for other in others:
+            other.close()
+
+    def kept(self) -> list[WorkerPool]:
+        with self._lock:
+            return list(self._kept.values())
+
+    def close(self) -> None:
+        """Release every kept pool now (their CPUs and GPUs go back to the cluster)."""
+        with self._lock:
+            pools = self._take_all()
+        for pool in pools:
+            pool.close()
+
+    def _take_all(self) -> list[WorkerPool]:
+        """Every kept pool, no longer kept (the caller holds the lock and closes them after releasing it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        pools = list(self._kept.values())
+        self._kept.clear()
+        return pools
+
+    def _expire(self, key: PoolKey, pool: WorkerPool) -> None:
+        with self._lock:
+            if self._kept.get(key) is not pool:  # lent again, or replaced, since the timer started
+                return
+            del self._kept[key]
+            self._timer = None
         pool.close()
-    _pools.clear()
+
+    def __enter__(self) -> WorkerPools:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+KEPT = WorkerPools()  # this process's kept workers (a server's); a config with keep_seconds 0 never leaves any here
 
 
 def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload, store: ShardStore | None):
@@ -57,7 +122,10 @@ def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload,
     cluster ``config`` names, reusing and saving shards in ``store``."""
 
     def measure(specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun]:
-        pool = worker_pool(config, source)
+        with KEPT.lease(config, source) as pool:
+            return measure_on(pool, specs, progress)
+
+    def measure_on(pool: WorkerPool, specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun]:
         identity: WorkerIdentity = pool.identity
         count = item_count(workload)
         shards = [ShardKey(workload, tuple(specs), items)

@@ -10,9 +10,23 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 from kvviz.studies.workloads import Workload
+
+
+class ModelKey(Protocol):
+    """The model half of a stored shard's key: the workers' :class:`kvviz.runtime.cluster.WorkerIdentity` (a loaded
+    model answers the same three), as :class:`kvviz.runs.ResultStore` keys every result."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def device(self) -> Any: ...
+
+    @property
+    def dtype(self) -> Any: ...
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ PROVEN = ALPHA / 2  # the margin test is one-sided: the lower half of the two-si
 
 def item_values(point, measure: Measure, threshold: float) -> list | None:
     """The per-item values a paired comparison reads on ``measure``: right/wrong (accuracy), the prompt held at or
-    above the threshold (the tail), agreement with full; None when the point has none."""
+    above the threshold (the tail), agreement with full, mean KL; None when the point has none."""
     outcomes = point.outcomes
     if point.error is not None or not outcomes:
         return None
@@ -49,8 +49,8 @@ def item_values(point, measure: Measure, threshold: float) -> list | None:
         values = [o.correct for o in outcomes]
     elif measure.key == "tail_share":
         values = [None if o.agreement is None else o.agreement >= threshold for o in outcomes]
-    elif measure.key == "agreement_with_full":
-        values = [o.agreement for o in outcomes]
+    elif measure.key in ("agreement_with_full", "mean_kl"):
+        values = [o.agreement if measure.key == "agreement_with_full" else o.mean_kl for o in outcomes]
     else:
         return None
     return None if any(v is None for v in values) else values
@@ -93,7 +93,8 @@ def significantly_better(ours: list, theirs: list, measure: Measure, groups: lis
     if measure.paired == "binary":
         table = Table.of(theirs, ours)
         return table.gained > table.lost and mcnemar_exact(table.lost, table.gained) < ALPHA
-    interval = bootstrap_mean([o - t for o, t in zip(ours, theirs, strict=True)], groups)
+    sign = 1.0 if measure.higher_is_better else -1.0
+    interval = bootstrap_mean([sign * (o - t) for o, t in zip(ours, theirs, strict=True)], groups)
     return interval is not None and interval[0] > 0
 
 
@@ -103,8 +104,8 @@ def frontier_flags(points: Sequence, measure: Measure, threshold: float, groups:
     values = [getattr(p, measure.key) for p in points]
     pairs = [(p.kv_bytes, v) for p, v in zip(points, values, strict=True)]
     items = [item_values(p, measure, threshold) for p in points]
-    if measure.paired is None or any(v is not None and i is None for v, i in zip(values, items, strict=True)):
-        return on_frontier(pairs, measure)
+    if any(v is not None and i is None for v, i in zip(values, items, strict=True)):
+        return on_frontier(pairs, measure)  # no items to pair (one play's perplexity): point estimates
 
     def beats(i: int, j: int) -> bool:
         # only a better point estimate can be significantly better: skip the test otherwise

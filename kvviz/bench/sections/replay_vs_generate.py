@@ -1,8 +1,9 @@
 """Tokens per second of kvviz's replay of ``full`` vs ``model.generate``, same prompt and length.
 
 Both decode one row unpadded: kvviz's one-row decode multiplies its row as it comes, so ``generate`` runs inside
-:func:`~kvviz.runtime.invariance.rows_as_they_come` too (on a CPU every linear layer pads a few rows otherwise, a
-one-row step up to 1.3x slower). ``generate`` padded is reported beside it, the baseline as it ran before."""
+:func:`~kvviz.runtime.invariance.rows_as_they_come` too (on a CPU every linear layer pads a few rows otherwise, which
+slows a one-row step: docs/performance.md, "Batched comparison"). ``generate`` padded is reported beside it, the
+baseline as it ran before."""
 
 from __future__ import annotations
 

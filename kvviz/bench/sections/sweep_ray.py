@@ -2,23 +2,33 @@
 
 One local worker (as many torch threads as this process) measures the page's families on ``sweep_ray_items`` task
 items in two shards, in turns with the in-process sweep, so a slow spell of the machine hits both alike; the two
-reports must be equal. Starting the worker (Ray and the model) is timed apart: a server pays it once. The
-scheduling overhead per shard is a no-op job's round trip through the worker. On a 2-core CPU one process already
-uses both cores, so several workers cannot be faster here; scaling over GPUs needs a machine with several.
+reports must be equal. Starting the worker (Ray and the model) is timed apart: a command pays it once, a server once
+per spell of sweeps (it keeps its workers while they are wanted). The scheduling overhead per shard is a no-op job's
+round trip through the worker. On a 2-core CPU one process already uses both cores, so several workers cannot be
+faster here; scaling over GPUs needs a machine with several.
 """
 
 from __future__ import annotations
 
 from kvviz.bench.harness import BenchRun, Section, Spread, bench_section, timed
-from kvviz.runtime.cluster import ClusterConfig, ClusterError, ModelSource, import_ray
+from kvviz.runtime.cluster import (
+    RAY_REQUIREMENT,
+    ClusterConfig,
+    ModelSource,
+    WorkerPool,
+    disconnect,
+    ray_installed,
+    ray_running,
+)
 from kvviz.studies.sweep import run_sweep
-from kvviz.studies.sweep_ray import release_workers, sharded_rows, worker_pool
+from kvviz.studies.sweep_ray import KEPT, sharded_rows
 from kvviz.studies.workloads import TaskWorkload
 
 FAMILIES = ("streaming_llm", "snapkv", "kivi:residual=0")  # the Trade-offs page's first run
 TASK = "multikey"
 NOOP_JOBS = 20
 TIMED_KEYS = ("seconds", "ray_address", "workers", "shards", "shards_reused", "shard_seconds")
+KEEP_SECONDS = 600.0  # the worker stays up across the section's sweeps; released when the section ends
 
 
 def nothing(loaded, index: int) -> int:
@@ -33,27 +43,31 @@ def sweep_ray(run: BenchRun) -> Section:
     if loaded.name.startswith("random:"):
         section.skipped = "needs a model Ray workers can load by name (a random model lives in this process only)"
         return section
-    try:
-        ray = import_ray()
-    except ClusterError as error:
-        section.skipped = str(error)
+    if not ray_installed():
+        section.skipped = f"Ray is not installed: pip install '{RAY_REQUIREMENT}'"
         return section
     workload = TaskWorkload(TASK, sizes.sweep_ray_task_length, sizes.sweep_ray_items)
-    config = ClusterConfig(workers=1)
+    config = ClusterConfig(workers=1, keep_seconds=KEEP_SECONDS)
     source = ModelSource(loaded.name, str(loaded.device), weights=loaded.weights)
-    started_here = not ray.is_initialized()
+    started_here = not ray_running()
     try:
-        start_seconds, pool = timed(loaded.device, lambda: worker_pool(config, source))
-        _measure(run, section, workload, config, source, pool, start_seconds)
+        start_seconds, _ = timed(loaded.device, lambda: _started(config, source))
+        _measure(run, section, workload, config, source, start_seconds)
     finally:
-        release_workers()
+        KEPT.close()
         if started_here:
-            ray.shutdown()
+            disconnect()
     return section
 
 
+def _started(config: ClusterConfig, source: ModelSource) -> WorkerPool:
+    """The section's worker, started and kept (``config.keep_seconds``) for the sweeps that lease it next."""
+    with KEPT.lease(config, source) as pool:
+        return pool
+
+
 def _measure(run: BenchRun, section: Section, workload: TaskWorkload, config: ClusterConfig, source: ModelSource,
-             pool, start_seconds: float) -> None:
+             start_seconds: float) -> None:
     loaded = run.loaded
     run.log(f"  {len(FAMILIES)} families on {workload.describe()}: in process and on one Ray worker, in turns")
     here_seconds, ray_seconds, reports = [], [], {}
@@ -66,8 +80,9 @@ def _measure(run: BenchRun, section: Section, workload: TaskWorkload, config: Cl
     here, on_ray = Spread(here_seconds), Spread(ray_seconds)
     shard_run = reports["ray"].shard_run
     worker_seconds = sum(s for s in shard_run.shard_seconds if s is not None)
-    noop_seconds, _ = timed(loaded.device, lambda: pool.run(nothing, [(i,) for i in range(NOOP_JOBS)],
-                                                           lambda index, result, seconds: None))
+    with KEPT.lease(config, source) as pool:  # the worker the sweeps used, kept
+        noop_seconds, _ = timed(loaded.device, lambda: pool.run(nothing, [(i,) for i in range(NOOP_JOBS)],
+                                                               lambda index, result, seconds: None))
     same = ({k: v for k, v in reports["ray"].to_json().items() if k not in TIMED_KEYS}
             == {k: v for k, v in reports["here"].to_json().items() if k != "seconds"})
     run.log(f"    in process {here.median:.1f} s, on Ray {on_ray.median:.1f} s; worker start {start_seconds:.1f} s")
@@ -83,7 +98,8 @@ def _measure(run: BenchRun, section: Section, workload: TaskWorkload, config: Cl
     section.add("ray_scheduling_per_shard_ms", noop_seconds / NOOP_JOBS * 1000, "ms",
                 note=f"a no-op job's round trip through the worker, mean of {NOOP_JOBS}")
     section.add("ray_worker_start_seconds", start_seconds, "s",
-                note="Ray started locally and the model loaded in the worker: paid once per server or command")
+                note="Ray started locally and the model loaded in the worker: paid once per command, by a "
+                     "server once per spell of sweeps")
     section.add("sweep_ray_same_as_in_process", same, target="== True", note="every point and every item's outcome")
     section.add("ray_gpu_scaling", "not measured", note="several workers need several GPUs; this machine is a "
                                                           "2-core CPU, where one process already uses both cores")
