@@ -52,9 +52,10 @@ bench: model
 # The classroom image (docs/deployment.md). CONTAINER_BASE=cuda (default): the CUDA runtime base, for a GPU box;
 # debian: a base made here with debootstrap (once, then reused), for a box without an image registry or a GPU, with
 # this box's CPU torch. Starts a docker engine when none answers; builds with the legacy builder on the host network
-# (no buildx needed), pip reaching the package index as it does here (docker/pip_context.sh).
-CONTAINER_BASE ?= cuda
-IMAGE ?= kvviz:latest
+# (no buildx needed), pip reaching the package index as it does here (docker/pip_context.sh). Both are make arguments
+# (make container CONTAINER_BASE=debian IMAGE=kvviz:cpu), not settings read from the environment.
+CONTAINER_BASE = cuda
+IMAGE = kvviz:latest
 DEBIAN_BASE := kvviz-base:bookworm
 PIP_PYTHON = $(firstword $(wildcard $(PY)) $(PYTHON))
 

@@ -6,8 +6,8 @@
 # on overlay2 (vfs, which copies every layer in full, only where overlay2 does not start), and prints "started".
 # `engine.sh stop` stops only an engine this script started (its pid file).
 set -eu
-PIDFILE="${KVVIZ_DOCKERD_PIDFILE:-/run/kvviz-dockerd.pid}"
-LOG="${KVVIZ_DOCKERD_LOG:-/var/log/kvviz-dockerd.log}"
+PIDFILE=/run/kvviz-dockerd.pid
+LOG=/var/log/kvviz-dockerd.log
 
 answers() { docker info >/dev/null 2>&1; }
 
