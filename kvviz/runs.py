@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvviz.cache.capture import CaptureConfig
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.cache.stats import AttentionStats
 from kvviz.engine.results import Comparison
 from kvviz.engine.session import PromptSession, compare
@@ -225,13 +226,15 @@ class SweepRequest(RunRequest):
     # both give the same report, so the stored result is shared.
     cluster: ClusterConfig | None = field(default=None, compare=False, repr=False)
     worker_model: ModelSource | None = field(default=None, compare=False, repr=False)  # None: the loaded model's name
+    block_size: int = DEFAULT_BLOCK_SIZE  # token slots per block of the paged layouts (kvviz.cache.layouts)
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> SweepReport:
         rows = None
         if self.cluster is not None:
             source = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
-            rows = sharded_rows(self.cluster, source, self.workload, ResultStore.default())
-        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows)
+            rows = sharded_rows(self.cluster, source, self.workload, ResultStore.default(), self.block_size)
+        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows,
+                         block_size=self.block_size)
 
 
 @dataclass

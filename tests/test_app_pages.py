@@ -68,8 +68,9 @@ def test_compare_page_runs_methods_and_reports(monkeypatch):
         app.button_group(key="compare_show").set_value(view).run()
         assert not app.exception and app.query_params["show"] == view
         drawn[view] = (len(app.get("plotly_chart")), " ".join(c.value for c in app.caption))
-    # memory bars, savings per axis, growth; KL; reconstruction + key channels; the kept heatmap
-    assert [count for count, _ in drawn.values()] == [3, 1, 2, 1], drawn
+    # memory bars, savings per axis, serving layouts, growth; KL; reconstruction + key channels; the kept heatmap
+    assert [count for count, _ in drawn.values()] == [4, 1, 2, 1], drawn
+    assert "KV-Compress" in drawn["Memory"][1] and app.query_params["block"] == "16"
     assert "of prompt tokens cached" in drawn["Kept tokens"][1]
     assert "quantized per channel" in drawn["Quantization error"][1]
     assert [b.label for b in app.get("download_button")] == ["Results as CSV", "Results as JSON"]
@@ -109,6 +110,18 @@ def test_memory_planner_numbers():
     assert len(app.dataframe[0].value) >= 5
 
 
+def test_memory_planner_projects_a_measured_configuration_s_layouts_onto_the_chosen_shape():
+    app = page("4_Memory_planner.py", model_config="Llama-3-8B", context="8192", gpu="NVIDIA A100 (80 GB)")
+    app.toggle(key="planner_layouts").set_value(True).run()
+    assert not app.exception and not app.error, texts(app.error)
+    table = app.dataframe[1].value
+    assert list(table["layout"]) == ["counted", "dense per layer", "paged, shared blocks", "paged, compacted",
+                                     "paged per head"]
+    fits = dict(zip(table["layout"], table["sequences that fit"], strict=True))
+    assert fits["counted"] > 2 * fits["paged, shared blocks"]  # snapkv's scattered keeps hold nearly every block
+    assert any("A projection from the measured model" in c.value for c in app.caption)
+
+
 @pytest.mark.parametrize("step", [4])
 def test_lessons_step_runs_live(step):
     app = page("5_Lessons.py", step=str(step))
@@ -116,6 +129,15 @@ def test_lessons_step_runs_live(step):
     app.button(key=f"lesson_button_{step}").click().run()
     assert not app.exception and not app.error
     assert any(c.value.startswith("Most attended") for c in app.caption)
+
+
+def test_lessons_levers_step_says_what_a_paged_engine_would_keep():
+    app = page("5_Lessons.py", step="2")
+    assert any("paged serving engine" in m.value for m in app.markdown)
+    app.button(key="lesson_button_2").click().run()
+    assert not app.exception and not app.error, texts(app.error)
+    kept = [c.value for c in app.caption if "shared blocks of 16" in c.value]
+    assert kept and "of full's blocks (it counts" in kept[0]
 
 
 def test_lessons_every_step_renders_with_its_link():

@@ -247,3 +247,13 @@ def test_kvpress_native_section_times_the_mapping_inside_one_run_too():
         assert figures[f"{press}_native_vs_press"].target == "<= 1.2"
         inside = figures[f"{press}_native_vs_own_forward"]
         assert inside.target == "<= 1.2" and inside.value >= 1.0
+
+
+def test_the_layouts_section_times_every_configuration_s_layouts_against_its_comparison():
+    loaded = bench.random_model("tiny", "cpu")
+    report = bench.run_bench(loaded, "quick", ("layouts",))
+    figures = {f.name: f for f in report.sections[0].figures}
+    assert not report.sections[0].skipped
+    assert figures["layout_seconds"].value < figures["compare_seconds"].value
+    assert figures["layout_bytes_vs_compare"].target == "<= 0.05"
+    assert "full_paged_shared" in figures and figures["full_paged_shared"].value >= 100

@@ -128,3 +128,29 @@ def test_the_comparison_prints_as_text_each_method_with_its_bytes_or_its_failure
                                   "== full: kv 4,096 B vs full 4,096 B 1.00x smaller, agreement 1.00, 0.25s",
                                   "an answer", "", "== window:window=4: FAILED: out of memory"]
     assert comparison.to_markdown().splitlines()[-1] == "| `window:window=4` | failed: out of memory | | | | |"
+
+
+def test_compare_json_carries_each_configuration_s_layout_bytes_and_the_block_size(tiny_model, monkeypatch, capsys,
+                                                                                    tmp_path):
+    from kvviz import cli
+
+    monkeypatch.setattr(cli.options, "load", lambda args: tiny_model)
+    out = tmp_path / "out.json"
+    assert main(["compare", "--play", "hamlet", "--play-tokens", "60", "--method", "full", "--method",
+                 "streaming_llm:window=0.25", "--method", "kivi:residual=0", "--max-new-tokens", "2", "--quiet",
+                 "--block-size", "8", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["block_size"] == 8
+    full, window, kivi = (r["layout_bytes"] for r in data["results"])
+    assert set(full) == {"counted", "dense_per_layer", "paged_shared", "paged_shared_compacted", "paged_per_head"}
+    tokens = data["prompt_tokens"] + 1  # one generated token fed
+    assert full["counted"] == data["results"][0]["kv_bytes"]
+    assert full["paged_shared"] == full["counted"] * (-(-tokens // 8) * 8) // tokens
+    token_bytes = full["counted"] // tokens  # one token in every layer and head
+    assert window["counted"] <= window["paged_shared"] <= window["counted"] + 2 * 8 * token_bytes  # sinks, window
+    assert kivi["counted"] == data["results"][2]["kv_bytes"] < full["counted"]
+
+
+def test_a_block_of_no_slots_exits_2(capsys):
+    assert main(["compare", "--play", "hamlet", "--block-size", "0"]) == 2
+    assert "block size 0" in capsys.readouterr().err

@@ -86,3 +86,18 @@ def test_llama_13b_worked_numbers(catalog):
     assert 2048 in catalog.contexts("LLaMA-13B")
     two_k = make_plan(card, catalog.models["LLaMA-13B"]["parameters"], Plan(context=2048))
     assert round(two_k.kv_bytes_per_sequence / GB, 2) == 1.68  # about 1.7 GB for a 2K-token sequence in fp16
+
+
+def test_a_measured_configuration_s_layouts_project_onto_a_shape_as_sequences_per_gpu(catalog):
+    from kvviz.planning.planner import project_layouts
+
+    card = catalog.card("Llama-3-8B")
+    parameters = catalog.models["Llama-3-8B"]["parameters"]
+    plan = Plan(context=8192, gpu_gb=80, budget=0.1, kv_bits=2)  # the measured configuration replaces these
+    full = make_plan(card, parameters, Plan(context=8192, gpu_gb=80))
+    held = {"counted": 250, "paged_shared": 1000, "paged_per_head": 260}
+    counted, paged, per_head = project_layouts(card, parameters, plan, held, full_bytes=1000)
+    assert paged.share_of_full == 1.0 and paged.kv_bytes_per_sequence == full.kv_bytes_per_sequence
+    assert paged.max_sequences == full.max_sequences
+    assert counted.share_of_full == 0.25 and counted.max_sequences >= 4 * full.max_sequences
+    assert counted.max_sequences > per_head.max_sequences > paged.max_sequences

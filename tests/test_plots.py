@@ -99,3 +99,51 @@ def test_step_axes_tick_whole_numbers_and_needle_depths_are_categories():
                           "found": [True, False, True]})
     figure = plots.needle_heatmaps(frame)
     assert figure.layout.xaxis.type == "category" and list(figure.data[0].x) == ["10%", "50%", "90%"]
+
+
+def test_layouts_figure_draws_every_layout_per_configuration_with_the_share_it_frees():
+    from kvviz.cache.layouts import LABELS
+
+    held = {"full": {name: 1000 for name in LABELS}, "snapkv": {name: 250 if name == "counted" else 900
+                                                                for name in LABELS}}
+    freed = {m: {name: 1 - held[m][name] / 1000 for name in LABELS} for m in held}
+    figure = plots.layouts_figure(held, freed, LABELS, 16)
+    assert [trace.name for trace in figure.data] == list(LABELS.values())
+    counted = figure.data[0]
+    assert list(counted.x) == ["full", "snapkv"] and list(counted.text) == ["0%", "75%"]
+    assert list(figure.data[2].text) == ["0%", "10%"] and "blocks of 16" in figure.layout.title.text
+
+
+def test_the_tradeoff_x_axis_reads_compression_in_the_chosen_layout():
+    from kvviz.studies.sweep import SweepPoint
+    from kvviz_app.plots.tradeoffs import x_of
+
+    full = SweepPoint("full", "full", "fixed", None, kv_bytes=1000, kv_bytes_full=1000,
+                      layout_bytes={"counted": 1000, "paged_shared": 1024})
+    point = SweepPoint("snapkv:budget=0.25", "snapkv", "eviction", 0.25, kv_bytes=250, kv_bytes_full=1000,
+                       layout_bytes={"counted": 250, "paged_shared": 1000})
+    assert x_of(point, full, "counted") == 4.0
+    assert x_of(point, full, "paged_shared") == 1.024
+    assert x_of(SweepPoint("x", "x", "fixed", None, kv_bytes=5, kv_bytes_full=10), full, "paged_shared") is None
+
+
+def test_switching_the_tradeoff_x_axis_to_a_layout_moves_a_family_s_curve():
+    from kvviz.studies.sweep import SweepPoint, SweepReport
+
+    def point(spec, budget, counted, paged):
+        return SweepPoint(spec, "snapkv" if budget else "full", "eviction", budget, kv_bytes=counted,
+                          kv_bytes_full=1000, agreement_with_full=1.0 - (budget or 0) / 10,
+                          layout_bytes={"counted": counted, "paged_shared": paged})
+
+    points = [point("full", None, 1000, 1024), point("snapkv:budget=0.25", 0.25, 250, 1000),
+              point("snapkv:budget=0.5", 0.5, 500, 1024)]
+    report = SweepReport("m", "one prompt", "prompt", 100, [0.25, 0.5], [], points, ["agreement_with_full"], 1.0,
+                         frontiers={"agreement_with_full": ["full"]})
+    counted = plots.tradeoff_figure(report, "agreement_with_full")
+    paged = plots.tradeoff_figure(report, "agreement_with_full", "paged_shared")
+    family = next(t for t in counted.data if t.name == "snapkv")
+    moved = next(t for t in paged.data if t.name == "snapkv")
+    assert list(family.x) == [4.0, 2.0] and list(moved.x) == [1.024, 1.0]
+    assert "paged, shared blocks" in paged.layout.xaxis.title.text
+    frontier = [t for t in paged.data if t.name == "frontier"]
+    assert not frontier or not list(frontier[0].x), "the counted frontier is not drawn in another layout"

@@ -91,3 +91,20 @@ def test_a_sweep_json_carries_intervals_outcomes_items_and_cliffs(real_model, tm
     assert data["plan"]["items"] == 3 and data["plan"]["detectable_loss"] is None
     printed = capsys.readouterr().out
     assert f"The full cache is right on {right} of 3 items" in printed and "With 3 items" in printed
+
+
+def test_json_carries_each_point_s_layout_bytes_for_the_block_size_given(tiny_model, monkeypatch, tmp_path):
+    monkeypatch.setattr(options, "load", lambda args: tiny_model)
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--prompt-file", str(prompt), "--method", "streaming_llm", "--budgets", "0.25",
+                 "--max-new-tokens", "2", "--block-size", "4", "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["block_size"] == 4
+    full, window = data["points"]
+    for point in (full, window):
+        assert point["layout_bytes"]["counted"] == point["kv_bytes"]
+    assert full["layout_bytes"]["paged_shared"] >= full["kv_bytes"]
+    held = window["layout_bytes"]
+    assert held["counted"] <= held["paged_shared"] < full["layout_bytes"]["paged_shared"]

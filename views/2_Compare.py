@@ -5,6 +5,7 @@ import json
 import pandas as pd
 import streamlit as st
 
+from kvviz.cache.layouts import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LABELS, MEANINGS
 from kvviz.engine.results import Comparison
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError, parse_spec
@@ -33,7 +34,7 @@ DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvvi
 page_header("Compare", "Compare cache configurations",
             "The prompt runs through the model once; each configuration then generates from its own copy of the "
             "cache. `full` keeps everything and is the reference every other output is compared with.",
-            link_settings=("m", "n", "chat", "prompt", "show", "kept", "layer", "item", "seed"))
+            link_settings=("m", "n", "chat", "prompt", "show", "kept", "layer", "item", "seed", "block"))
 
 loaded = require_model()
 
@@ -85,8 +86,27 @@ DIAGNOSTICS = ("Memory", "Divergence", "Quantization error", "Kept tokens")
 NO_DIAGNOSTIC = "none"
 
 
-def memory_view(loaded: LoadedModel, measured: list) -> None:
-    """Where each configuration's bytes go, what each axis saved, and how the cache grew while decoding."""
+def layouts_view(comparison: Comparison) -> None:
+    """What a serving engine's layouts would hold for the tokens each configuration kept, next to what kvviz counts."""
+    st.markdown("**What a serving engine would free**")
+    block_size = choice_setting("Block size (token slots per block)", "block", BLOCK_SIZES, DEFAULT_BLOCK_SIZE,
+                                key="compare_block", cast=int, help="vLLM's default is 16.")
+    share_settings(block=block_size)
+    held = comparison.layouts(block_size)
+    full = held.get("full")
+    if full is None:
+        st.caption("The full cache did not finish, so there is no reference to read the layouts against.")
+        return
+    st.plotly_chart(plots.layouts_figure({m: h.to_json() for m, h in held.items()},
+                                         {m: h.freed(full) for m, h in held.items()}, LABELS, block_size),
+                    width="stretch")
+    st.caption("kvviz counts the tensors it holds; an engine frees a dropped token's memory only when its layout can "
+               "give the slot back. " + " ".join(f"**{LABELS[name]}**: {MEANINGS[name]}." for name in MEANINGS))
+
+
+def memory_view(loaded: LoadedModel, comparison: Comparison, measured: list) -> None:
+    """Where each configuration's bytes go, what each axis saved, what a serving layout would hold, and how the
+    cache grew while decoding."""
     memory = pd.DataFrame([{
         "method": r.method, "codes": r.kv_breakdown.codes, "metadata": r.kv_breakdown.metadata,
         "full_precision": r.kv_breakdown.full_precision, "formula": r.kv_bytes_full,
@@ -97,6 +117,7 @@ def memory_view(loaded: LoadedModel, measured: list) -> None:
     st.plotly_chart(plots.memory_figure(memory, model_card(loaded).weight_bytes), width="stretch")
     st.plotly_chart(plots.axis_factors_figure({r.method: r.axis_factors.to_json() for r in measured
                                                if r.axis_factors is not None}), width="stretch")
+    layouts_view(comparison)
     st.plotly_chart(plots.kv_growth_figure({r.method: r.kv_bytes_per_step for r in measured}), width="stretch")
 
 
@@ -170,7 +191,7 @@ def diagnostics_section(loaded: LoadedModel, comparison: Comparison) -> None:
         st.caption("Pick one to draw it: where each configuration's bytes go, its KL from full at every token, how far "
                    "quantized keys and values are from the originals, or which prompt tokens each layer kept.")
     elif shown_view == "Memory":
-        memory_view(loaded, measured)
+        memory_view(loaded, comparison, measured)
     elif shown_view == "Divergence":
         divergence_view(measured)
     elif shown_view == "Quantization error":

@@ -3,9 +3,18 @@
 import pandas as pd
 import streamlit as st
 
+from kvviz.cache.layouts import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LABELS, MEANINGS
 from kvviz.methods import SpecError
 from kvviz.planning.memory import model_card
-from kvviz.planning.planner import GB, Plan, attention_variants, load_catalog, make_plan, method_bits
+from kvviz.planning.planner import (
+    GB,
+    Plan,
+    attention_variants,
+    load_catalog,
+    make_plan,
+    method_bits,
+    project_layouts,
+)
 from kvviz.runs import CompareRequest
 from kvviz.studies.needle import build_needle_prompt
 from kvviz_app import plots
@@ -144,3 +153,32 @@ with st.expander("Measured on the loaded model: each axis's formula next to the 
                             width="stretch")
             st.caption(f"{loaded.name} ({loaded_card.dtype}), one {len(prompt.ids)}-token prompt. Lines: full bytes "
                        "per token x the architecture factor x the quantizer's bits per element; ◆: bytes held.")
+
+LAYOUT_CONFIGS = ("snapkv:budget=0.25", "streaming_llm:window=0.25", "adakv:ratio=0.75", "h2o:heavy=0.125,recent=0.125")
+with st.expander(f"Serving layouts: a configuration measured on the loaded model, projected onto {name}"):
+    st.caption("kvviz counts the tensors it holds; a serving engine frees a dropped token only when its cache layout "
+               "can give the slot back. Run one configuration on a 1,024-token prompt and see how many sequences "
+               f"of {context:,} tokens each layout would fit on one {gpu}.")
+    config_col, block_col = st.columns(2)
+    spec = config_col.selectbox("Configuration", LAYOUT_CONFIGS, key="planner_layout_spec")
+    block_size = block_col.selectbox("Block size (token slots)", BLOCK_SIZES, BLOCK_SIZES.index(DEFAULT_BLOCK_SIZE),
+                                     key="planner_block")
+    if st.toggle("Run it on the sidebar's model", key="planner_layouts"):
+        loaded = model_picker()
+        if loaded is not None:
+            prompt = build_needle_prompt(loaded.tokenizer, 1024, 0.5)
+            comparison = result_for(loaded, CompareRequest(tuple(prompt.ids), ("full", spec), 1))
+            layouts = comparison.layouts(block_size)
+            if spec not in layouts or "full" not in layouts:
+                st.error(next((r.error for r in comparison.results if r.error), "the run did not finish"))
+            else:
+                projected = project_layouts(card, catalog.models[name]["parameters"], plan,
+                                            layouts[spec].to_json(), layouts["full"].counted)
+                st.dataframe(pd.DataFrame([{
+                    "layout": LABELS[p.layout], "share of full": f"{p.share_of_full:.1%}",
+                    "KV GB / sequence": round(p.kv_bytes_per_sequence / GB, 3), "sequences that fit": p.max_sequences,
+                    "meaning": MEANINGS[p.layout]} for p in projected]), hide_index=True, width="stretch")
+                st.caption(f"A projection from the measured model: each layout's share of the full cache, measured "
+                           f"on {loaded.name} ({len(prompt.ids):,} tokens, blocks of {block_size}), applied to "
+                           f"{name}'s 16-bit cache at {context:,} tokens with {weight_bits}-bit weights. {name}'s "
+                           "own heads would choose their own tokens; the eviction and bits set above do not apply.")

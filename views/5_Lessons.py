@@ -143,7 +143,9 @@ Three independent levers shrink the cache, and their savings multiply:
   where giving every query head its own K and V would take {mha:,}. The Memory planner page shows the same lever
   on large models, including DeepSeek's latent cache (MLA).
 - **Eviction** — keep fewer tokens. SnapKV lets the prompt's last queries vote for the tokens worth keeping and
-  drops the rest once, after the prompt.
+  drops the rest once, after the prompt. A paged serving engine (vLLM: blocks of 16 token slots shared by every
+  layer and head) frees a block only when no layer and no head keeps any of its tokens, so it would keep almost
+  every block of SnapKV's scattered choice; a window of recent tokens frees whole blocks.
 - **Quantization** — keep every token but store each number in fewer bits, plus a little metadata to decode them.
   KIVI stores keys in groups along each channel and values in groups along each token (2 bits per number, one
   fp16 scale and zero point per group of 32).
@@ -164,6 +166,13 @@ cache on the same question.
         notice("; ".join(f"**{r.method}** holds {r.kv_bytes:,} bytes ({r.compression or 0:.1f}x smaller than full) "
                          f"and {answered(r, run.expected)}" for r in others if r.error is None)
                + ". Smaller is not automatically worse, and similar savings can fail differently: read the answers.")
+        layouts = comparison.layouts()
+        if "full" in layouts:
+            st.caption(" ".join(
+                f"In a paged engine's shared blocks of 16, {method} would still hold "
+                f"{held.paged_shared / layouts['full'].paged_shared:.0%} of full's blocks (it counts "
+                f"{held.counted / layouts['full'].counted:.0%})." for method, held in layouts.items()
+                if method != "full") + " Compare's memory diagnostic draws every layout.")
         open_elsewhere(run)
 
 

@@ -4,6 +4,7 @@ import json
 
 import streamlit as st
 
+from kvviz.cache.layouts import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LABELS, MEANINGS
 from kvviz.engine.session import PromptError
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError
@@ -38,7 +39,7 @@ page_header("Trade-offs", "Trade-offs: quality against memory",
             "same items as the full cache and is judged against it item by item: proven within the loss you accept "
             "(your margin), worse, or inconclusive. The recommendation is a proof, never a best guess.",
             link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "items", "seed", "play", "tokens",
-                           "margin", "tail"))
+                           "margin", "tail", "block", "x"))
 
 loaded = require_model()
 limits = settings()
@@ -83,6 +84,10 @@ with st.sidebar:
                                 f"Wilson interval from 61% to 89%. This server allows up to {limits.max_items}.")
     seed = number_setting("Seed", "seed", 0, 0, 1_000_000, key="sweep_seed", disabled=workload_kind != "task",
                           help="Which items: the same seed gives the same items for every configuration and run.")
+    block_size = choice_setting("Block size (token slots)", "block", BLOCK_SIZES, DEFAULT_BLOCK_SIZE,
+                                key="sweep_block", cast=int, disabled=workload_kind == "text",
+                                help="Of the paged layouts the x-axis can count memory in (vLLM's default is 16). "
+                                     "A new size measures the sweep again.")
     st.subheader("Verdicts")
     margin = float(number_setting("Margin: the loss you accept (points)", "margin", DEFAULT_MARGIN, 0.5, 50.0,
                                   key="sweep_margin", step=0.5,
@@ -148,7 +153,7 @@ specs = list(dict.fromkeys([*families, *extra.split()]))
 share_settings(w=workload_kind, m=specs, b=sorted(budgets), n=int(max_new), chat=chat, margin=margin, tail=threshold,
                **({"task": task, "len": task_length, "items": int(items), "seed": int(seed)}
                   if workload_kind == "task" else {}),
-               **({"play": play, "tokens": play_tokens} if workload_kind == "text" else {}))
+               **({"play": play, "tokens": play_tokens} if workload_kind == "text" else {}), block=block_size)
 
 problem = None
 try:
@@ -157,7 +162,8 @@ except ValueError as error:
     problem = str(error)
     st.error(problem)
 asked = (None if problem is not None or workload is None
-         else SweepRequest(workload, tuple(specs), tuple(sorted(budgets)), sweep_cluster(limits.ray_address)))
+         else SweepRequest(workload, tuple(specs), tuple(sorted(budgets)), sweep_cluster(limits.ray_address),
+                           block_size=int(block_size)))
 planned_items = (workload.items if isinstance(workload, TaskWorkload) else
                  len(workload.prompts) if isinstance(workload, PromptWorkload) else None)
 if planned_items is not None and problem is None:
@@ -189,7 +195,17 @@ measure = report.main_measure
 if len(report.frontiers) > 1:
     measure = st.radio("Quality measure", list(report.frontiers), format_func=lambda k: MEASURES[k].label,
                        horizontal=True, key="sweep_measure")
-st.plotly_chart(plots.tradeoff_figure(report, measure), width="stretch")
+layout = "counted"
+if any(p.layout_bytes for p in report.points):  # a play's streaming perplexity keeps no ledger: counted bytes only
+    layout = choice_setting("Memory on the x-axis", "x", list(LABELS), "counted", key="sweep_layout",
+                            widget=st.radio, format_func=LABELS.get, horizontal=True,
+                            help="Counted: the bytes kvviz holds. The others: what a serving engine's layout would "
+                                 f"hold for the same kept tokens, in blocks of {report.block_size} token slots.")
+    share_settings(x=layout)
+    st.caption(f"{LABELS[layout].capitalize()}: {MEANINGS[layout]}."
+               + ("" if layout == "counted" else " Each point and its cliff move to what this layout would hold; "
+                  "the verdicts and the frontier are read on counted bytes, so the frontier is not drawn."))
+st.plotly_chart(plots.tradeoff_figure(report, measure, layout), width="stretch")
 
 prompt, prompt_chat = st.session_state.get("sweep_prompt", (None, True))
 on_items = isinstance(request.workload, TaskWorkload)

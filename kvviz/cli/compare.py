@@ -20,6 +20,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     options.add_method_option(parser, "name[:key=value,...][+name[:key=value,...]]; repeat for several (default: full)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    options.add_block_size_option(parser)
     options.add_output_options(parser)
     return parser
 
@@ -29,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     from kvviz.runs import CompareRequest
 
     specs = options.methods(args)
+    block_size = options.block_size(args)
     if (args.prompt_file is None) == (args.play is None):
         raise UsageError("give the prompt as --prompt-file FILE or --play NAME (one of them)")
     text = options.read_text(args.prompt_file) if args.prompt_file else None
@@ -41,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
                              args.max_new_tokens)
     comparison = request.compute(loaded, progress_unless(args.quiet))
     if args.json:
-        write_json(args.json, comparison.to_json())
+        write_json(args.json, comparison.to_json(block_size=block_size))
     if args.json != "-":
         print(comparison.to_markdown() if args.markdown else "\n".join(comparison.lines()))
     return 0

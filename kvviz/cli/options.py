@@ -37,6 +37,25 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def add_block_size_option(parser: argparse.ArgumentParser) -> None:
+    """--block-size B: token slots per block of the paged layouts reported beside counted bytes."""
+    from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
+
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="B",
+                        help=f"token slots per block of the paged layouts in layout_bytes (default "
+                             f"{DEFAULT_BLOCK_SIZE}, vLLM's)")
+
+
+def block_size(args: argparse.Namespace) -> int:
+    """The --block-size given, or a one-line UsageError."""
+    from kvviz.cache.layouts import check_block_size
+
+    try:
+        return check_block_size(args.block_size)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+
+
 def load(args: argparse.Namespace) -> LoadedModel:
     """The model the model options name (tests replace this to run a command on a shared model)."""
     from kvviz.runtime.models import load_model

@@ -54,6 +54,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--plan", action="store_true",
                         help="print what this many items can detect and prove at the margin, and stop (no model)")
     parser.add_argument("--markdown", action="store_true", help="print one Markdown table row per point")
+    options.add_block_size_option(parser)
     parser.add_argument("--ray", nargs="?", const=LOCAL, metavar="ADDRESS",
                         help="measure in shards on Ray workers, each shard stored as it finishes (a rerun measures "
                              "only what is missing): alone, a local Ray instance on 127.0.0.1; with an address "
@@ -118,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.method:
         raise UsageError("give at least one --method SPEC (a family such as snapkv, kivi or snapkv+kivi:bits=4)")
     budgets = options.numbers(args.budgets, float, "--budgets")
+    block_size = options.block_size(args)
     if not 0 < args.margin < 100:
         raise UsageError(f"--margin {args.margin:g} is not a loss in points between 0 and 100")
     if not 0 < args.tail_threshold <= 1:
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = TextWorkload(args.play, args.play_tokens) if args.play is not None else task
     request = SweepRequest(workload, tuple(args.method), tuple(budgets), cluster,
-                           None if cluster is None else options.model_source(args))
+                           None if cluster is None else options.model_source(args), block_size)
     try:
         report = request.compute(loaded, progress_unless(args.quiet))
     except ClusterError as error:

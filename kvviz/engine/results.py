@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvviz.cache.architecture import AxisFactors
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE, LayoutBytes, cache_layouts
 from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.storage import StorageBytes
 from kvviz.engine.diagnostics import QuantizationReport
@@ -36,13 +37,22 @@ class MethodResult:
     axis_factors: AxisFactors | None = None  # full bytes x architecture x eviction x quantization (core.architecture)
     projection_bytes: int = 0  # an architecture method's fitted projections: weights, not cache
     native_report: NativeReport | None = None  # a kvpress press run natively: what it did besides dropping rows
+    total_tokens: int = 0  # prompt plus tokens fed: what the ledger and the full cache cover
+
+    def layout_bytes(self, block_size: int = DEFAULT_BLOCK_SIZE) -> LayoutBytes | None:
+        """What a serving engine's layouts would hold for the tokens this cache kept (:mod:`kvviz.cache.layouts`);
+        None for a failed run."""
+        if self.error or not self.kv_bytes_per_layer:
+            return None
+        return cache_layouts(self.ledger, self.kv_bytes_per_layer, self.total_tokens, block_size)
 
     @property
     def compression(self) -> float | None:
         """How many times smaller than the full cache (None when nothing was measured)."""
         return self.kv_bytes_full / self.kv_bytes if self.kv_bytes else None
 
-    def to_json(self, with_ledger: bool = True) -> dict:
+    def to_json(self, with_ledger: bool = True, block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
+        layouts = self.layout_bytes(block_size)
         data = {
             "method": self.method,
             "text": self.text,
@@ -52,6 +62,7 @@ class MethodResult:
             "kv_bytes_codes": self.kv_breakdown.codes,
             "kv_bytes_metadata": self.kv_breakdown.metadata,
             "kv_bytes_full_precision": self.kv_breakdown.full_precision,
+            "layout_bytes": None if layouts is None else layouts.to_json(),
             "seconds": round(self.seconds, 4),
             "agreement_with_full": self.agreement_with_full,
             "first_divergence": self.first_divergence,
@@ -82,14 +93,21 @@ class Comparison:
     results: list[MethodResult]
     quantization: QuantizationReport | None = None  # the quantizers' error on this prompt and key outlier channels
 
-    def to_json(self, with_ledger: bool = True) -> dict:
+    def to_json(self, with_ledger: bool = True, block_size: int = DEFAULT_BLOCK_SIZE) -> dict:
+        """``block_size``: token slots per block of the paged layouts each result's ``layout_bytes`` reports."""
         return {
             "model": self.model,
             "device": self.device,
             "prompt_tokens": self.prompt_tokens,
             "prefill_seconds": round(self.prefill_seconds, 4),
-            "results": [r.to_json(with_ledger) for r in self.results],
+            "block_size": block_size,
+            "results": [r.to_json(with_ledger, block_size) for r in self.results],
         }
+
+    def layouts(self, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, LayoutBytes]:
+        """Each finished configuration's bytes under every serving layout (:mod:`kvviz.cache.layouts`)."""
+        found = {r.method: r.layout_bytes(block_size) for r in self.results}
+        return {method: layouts for method, layouts in found.items() if layouts is not None}
 
     def by_method(self, method: str) -> MethodResult:
         return next(r for r in self.results if r.method == method)

@@ -208,6 +208,7 @@ class PromptSession:
                                  if isinstance(layer.storage, ArchitectureStorage)),
             native_report=(stack.eviction.report if stack.eviction is not None and stack.eviction.schedule.own_prefill
                            else None),
+            total_tokens=total_tokens,
         )
 
 

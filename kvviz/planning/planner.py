@@ -150,3 +150,31 @@ def method_bits(spec: str, head_dim: int) -> float:
     if stack.quantization is None:
         raise SpecError(f"'{spec}' has no quantization method")
     return float(stack.quantization.bits_per_element(head_dim))
+
+
+@dataclass(frozen=True)
+class LayoutProjection:
+    """One serving layout of a configuration measured on another model, projected onto this model's shape: the
+    share of the full cache it holds there, the bytes per sequence that gives here, and the sequences that fit."""
+
+    layout: str
+    share_of_full: float
+    kv_bytes_per_sequence: int
+    max_sequences: int
+
+
+def project_layouts(card: ModelCard, parameters: float, plan: Plan, held: dict[str, int],
+                    full_bytes: int) -> list[LayoutProjection]:
+    """Each layout's bytes ``held`` by a configuration measured on a (usually smaller) model whose full cache held
+    ``full_bytes``, as a share of that full cache applied to ``card``'s 16-bit full cache at the plan's context; the
+    plan's GPU, weights and utilization say how many such sequences fit. A projection, not a measurement: the
+    larger model's heads would choose their own tokens."""
+    base = make_plan(card, parameters, Plan(**{**plan.__dict__, "budget": None, "kv_bits": 16, "group_size": 0,
+                                               "residual_tokens": 0}))
+    room = base.usable_bytes - base.weight_bytes
+    projections = []
+    for layout, held_bytes in held.items():
+        share = held_bytes / full_bytes
+        per_sequence = max(1, math.ceil(share * base.kv_bytes_full_per_sequence))
+        projections.append(LayoutProjection(layout, share, per_sequence, max(0, room // per_sequence)))
+    return projections

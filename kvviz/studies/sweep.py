@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.methods import MethodStack, Sizing, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
@@ -160,6 +161,7 @@ class SweepPoint:
     factors: dict | None = None  # the formula's split: architecture, eviction, quantization
     full_precision_bytes: int | None = None  # of kv_bytes, those held unquantized (a quantizer's residual)
     frontier: bool = False  # on the frontier of the workload's main measure
+    layout_bytes: dict | None = None  # mean over items of what each serving layout would hold (kvviz.cache.layouts)
     outcomes: list[Outcome] = field(default_factory=list)
     error: str | None = None
 
@@ -202,6 +204,7 @@ class SweepReport:
     margin: float = DEFAULT_MARGIN  # points of the main measure a deployment may lose
     tail_threshold: float = DEFAULT_TAIL_THRESHOLD
     plan: Plan | None = None  # what this many items can detect and prove (None: a play has no items)
+    block_size: int = DEFAULT_BLOCK_SIZE  # token slots per block of the paged layouts in each point's layout_bytes
 
     @property
     def main_measure(self) -> str:
@@ -216,13 +219,13 @@ class SweepReport:
                 "points": [p.to_json() for p in self.points], "frontiers": self.frontiers, "summary": self.summary,
                 "margin": self.margin, "tail_threshold": self.tail_threshold,
                 "plan": None if self.plan is None else self.plan.to_json(),
-                "notes": self.notes, "seconds": round(self.seconds, 3),
+                "notes": self.notes, "seconds": round(self.seconds, 3), "block_size": self.block_size,
                 **(self.shard_run.to_json() if self.shard_run is not None else {})}
 
     def to_frame(self):
         import pandas as pd
 
-        hidden = ("factors", "outcomes", "paired", "paired_by_measure")
+        hidden = ("factors", "outcomes", "paired", "paired_by_measure", "layout_bytes")
         rows = [{k: v for k, v in p.to_json().items() if k not in hidden} | _paired_columns(p.paired)
                 for p in self.points]
         return pd.DataFrame(rows)
@@ -266,21 +269,22 @@ def _cliff_json(cliff: Cliff | None) -> dict | None:
 RowSource = Callable[[list[str], Progress | None], tuple[Rows, ShardRun | None]]
 
 
-def in_process(loaded: LoadedModel, workload: Workload) -> RowSource:
+def in_process(loaded: LoadedModel, workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE) -> RowSource:
     """Every item measured here, in one go."""
     def measure(specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun | None]:
-        return measure_rows(loaded, workload, specs, None, progress), None
+        return measure_rows(loaded, workload, specs, None, progress, block_size), None
 
     return measure
 
 
 def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets: list[float] = DEFAULT_BUDGETS,
               progress: Progress | None = None, rows: RowSource | None = None, margin: float = DEFAULT_MARGIN,
-              tail_threshold: float = DEFAULT_TAIL_THRESHOLD) -> SweepReport:
+              tail_threshold: float = DEFAULT_TAIL_THRESHOLD, block_size: int = DEFAULT_BLOCK_SIZE) -> SweepReport:
     """Measure every family at every budget on ``workload`` (full first, the reference), then judge every point
     against full at ``margin`` points: frontiers, cliffs, the recommendation. ``rows`` measures elsewhere (shards
     on a cluster); by default this process measures every item. ValueError (SpecError, PromptError included) for
-    bad arguments, before any model work."""
+    bad arguments, before any model work. Layouts page in blocks of ``block_size`` token slots (``rows`` measures
+    with the same)."""
     check_sweep(list(specs), list(budgets), workload)
     card = model_card(loaded)
     sizing = Sizing(workload.sizing_length(), card.kv_heads, card.head_dim, card.bytes_per_element)
@@ -289,7 +293,7 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     full = Family("full", None, (), "fixed")
     planned = [(full, None, "full"), *planned]
     points = [SweepPoint(spec, family.spec, family.kind, share) for family, share, spec in planned]
-    measured_rows, shard_run = (rows or in_process(loaded, workload))([p.spec for p in points], progress)
+    measured_rows, shard_run = (rows or in_process(loaded, workload, block_size))([p.spec for p in points], progress)
     measured: Measured = fill_points(workload, points, measured_rows)
     notes = measured.notes + budget_reversals(points)
     measure_keys = [m.key for m in workload.measures]
@@ -311,7 +315,7 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
         progress(1.0, "done")
     report = SweepReport(loaded.name, workload.describe(), workload.kind, measured.prompt_tokens, list(budgets),
                          families, points, measure_keys, time.perf_counter() - started, notes, measured.items,
-                         rules=rules, shard_run=shard_run, groups=measured.groups)
+                         rules=rules, shard_run=shard_run, groups=measured.groups, block_size=block_size)
     return judged_report(report, margin, tail_threshold)
 
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.engine.batched import decode_prompts
 from kvviz.engine.results import MethodResult
 from kvviz.engine.session import BOTH, FORCED, FREE
@@ -80,6 +81,7 @@ class Cell:
     kl_per_step: list[float] = field(default_factory=list)
     first_divergence: int | None = None
     perplexity: float | None = None
+    layout_bytes: dict | None = None  # what each serving layout would hold (kvviz.cache.layouts); None for a play
 
 
 @dataclass
@@ -129,10 +131,11 @@ def item_count(workload: Workload) -> int:
 
 
 def measure_rows(loaded: LoadedModel, workload: Workload, specs: list[str], indices: Sequence[int] | None = None,
-                 progress: Progress | None = None) -> Rows:
-    """Every SPEC (``full`` first) on the items at ``indices`` (all when None), as :class:`Rows`."""
+                 progress: Progress | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
+    """Every SPEC (``full`` first) on the items at ``indices`` (all when None), as :class:`Rows`; layouts page in
+    blocks of ``block_size`` token slots."""
     chosen = range(item_count(workload)) if indices is None else indices
-    return MEASURING[workload.kind].rows(loaded, workload, specs, list(chosen), progress)
+    return MEASURING[workload.kind].rows(loaded, workload, specs, list(chosen), progress, block_size)
 
 
 def fill_points(workload: Workload, points: list, rows: Rows) -> Measured:
@@ -140,12 +143,14 @@ def fill_points(workload: Workload, points: list, rows: Rows) -> Measured:
     return MEASURING[workload.kind].fill(workload, points, rows)
 
 
-def cell_of(result: MethodResult, outcome: Outcome | None = None) -> Cell:
+def cell_of(result: MethodResult, outcome: Outcome | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Cell:
     factors = result.axis_factors
+    layouts = result.layout_bytes(block_size)
     return Cell(result.error, result.kv_bytes, result.kv_bytes_full, result.kv_breakdown.full_precision,
                 None if factors is None else {"architecture": factors.architecture, "eviction": factors.eviction,
                                               "quantization": factors.quantization},
-                outcome, list(result.kl_per_step), result.first_divergence)
+                outcome, list(result.kl_per_step), result.first_divergence,
+                layout_bytes=None if layouts is None else layouts.to_json())
 
 
 def fill_bytes(point, cells: list[Cell], fulls: list[Cell]) -> None:
@@ -154,6 +159,9 @@ def fill_bytes(point, cells: list[Cell], fulls: list[Cell]) -> None:
     point.kv_bytes_full = round(sum(c.kv_bytes_full for c in fulls) / len(fulls))
     point.full_precision_bytes = round(sum(c.full_precision_bytes for c in cells) / len(cells))
     point.factors = cells[0].factors
+    if all(c.layout_bytes for c in cells):
+        point.layout_bytes = {name: round(sum(c.layout_bytes[name] for c in cells) / len(cells))
+                              for name in cells[0].layout_bytes}
 
 
 def first_error(cells: list[Cell]) -> str | None:
@@ -179,7 +187,7 @@ class TaskMeasuring:
     kind: ClassVar[str] = "task"
 
     def rows(self, loaded: LoadedModel, workload: TaskWorkload, specs: list[str], indices: list[int],
-             progress: Progress | None) -> Rows:
+             progress: Progress | None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
         every = spread_items(loaded.tokenizer, workload.task, workload.length, workload.items, workload.seed)
         items = [every[i] for i in indices]
         per_item = decode_prompts(loaded, [item.ids for item in items], specs, NEW_TOKENS[workload.task], FREE,
@@ -197,7 +205,7 @@ class TaskMeasuring:
                     outcome = Outcome(item.item_id, correct, cause="" if correct else failure_cause(
                         item, checks, fates, quantizes), evicted={f.label: len(f.evicted_layers) for f in fates
                                                                   if f.evicted}, answer=result.text.strip())
-                cells.append(cell_of(result, outcome))
+                cells.append(cell_of(result, outcome, block_size))
             listing = {"id": item.item_id, "prompt": loaded.tokenizer.decode(item.ids), "expected": item.expected,
                        "depth": item.depth, "full_correct": cells[0].outcome is not None and cells[0].outcome.correct}
             rows.records.append(ItemRecord(listing, len(item.ids), cells))
@@ -226,7 +234,7 @@ class PromptMeasuring:
     kind: ClassVar[str] = "prompt"
 
     def rows(self, loaded: LoadedModel, workload: PromptWorkload, specs: list[str], indices: list[int],
-             progress: Progress | None) -> Rows:
+             progress: Progress | None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
         answered = workload.answered
         prompts = [workload.prompts[i] for i in indices]
         per_prompt = decode_prompts(loaded, [p.ids for p in prompts], specs, workload.max_new_tokens,
@@ -235,8 +243,8 @@ class PromptMeasuring:
         for prompt, results in zip(prompts, per_prompt, strict=True):
             cells = [cell_of(result, Outcome(
                 prompt.name, answer_found(prompt.answer, result.text) if answered and result.error is None else None,
-                result.agreement_with_full, result.mean_kl, answer=result.text.strip() if answered else ""))
-                for result in results]
+                result.agreement_with_full, result.mean_kl, answer=result.text.strip() if answered else ""),
+                block_size) for result in results]
             listing = {"id": prompt.name, "prompt": prompt.text, "expected": prompt.answer}
             if prompt.group is not None:
                 listing["group"] = prompt.group
@@ -281,7 +289,8 @@ class TextMeasuring:
     kind: ClassVar[str] = "text"
 
     def rows(self, loaded: LoadedModel, workload: TextWorkload, specs: list[str], indices: list[int],
-             progress: Progress | None) -> Rows:
+             progress: Progress | None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
+        """No ledger in a streaming perplexity: no layout bytes (``block_size`` is unused)."""
         try:
             text = play_text(workload.play)
         except LookupError as error:

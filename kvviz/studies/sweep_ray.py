@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.runtime.cluster import ClusterConfig, ModelSource, WorkerIdentity, WorkerPool
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
@@ -30,9 +31,10 @@ class ShardStore(Protocol):
     def save(self, model: ModelKey, request: ShardKey, result: Rows) -> None: ...
 
 
-def measure_shard(loaded: LoadedModel, workload: Workload, specs: tuple[str, ...], items: tuple[int, ...]) -> Rows:
+def measure_shard(loaded: LoadedModel, workload: Workload, specs: tuple[str, ...], items: tuple[int, ...],
+                  block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
     """One shard on a worker: its items under every SPEC (a module function, so Ray ships it by name)."""
-    return measure_rows(loaded, workload, list(specs), items)
+    return measure_rows(loaded, workload, list(specs), items, block_size=block_size)
 
 
 PoolKey = tuple[ClusterConfig, ModelSource]
@@ -117,7 +119,8 @@ class WorkerPools:
 KEPT = WorkerPools()  # this process's kept workers (a server's); a config with keep_seconds 0 never leaves any here
 
 
-def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload, store: ShardStore | None):
+def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload, store: ShardStore | None,
+                 block_size: int = DEFAULT_BLOCK_SIZE):
     """A row source for :func:`kvviz.studies.sweep.run_sweep` that measures ``workload``'s items in shards on the
     cluster ``config`` names, reusing and saving shards in ``store``."""
 
@@ -128,7 +131,7 @@ def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload,
     def measure_on(pool: WorkerPool, specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun]:
         identity: WorkerIdentity = pool.identity
         count = item_count(workload)
-        shards = [ShardKey(workload, tuple(specs), items)
+        shards = [ShardKey(workload, tuple(specs), items, block_size)
                   for items in cut_shards(count, config.shard_items or shard_size(count, pool.size))]
         found = {i: store.load(identity, key) for i, key in enumerate(shards)} if store is not None else {}
         parts: dict[int, Rows] = {i: rows for i, rows in found.items() if rows is not None}
@@ -149,7 +152,7 @@ def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload,
             report()
 
         report()
-        pool.run(measure_shard, [(workload, shards[i].specs, shards[i].items) for i in missing], done)
+        pool.run(measure_shard, [(workload, shards[i].specs, shards[i].items, block_size) for i in missing], done)
         run = ShardRun(pool.address, pool.size, len(shards), reused, seconds)
         return Rows.join([parts[i] for i in range(len(shards))]), run
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.studies.workloads import Workload
 
 
@@ -38,6 +39,7 @@ class ShardKey:
     workload: Workload
     specs: tuple[str, ...]
     items: tuple[int, ...]
+    block_size: int = DEFAULT_BLOCK_SIZE  # of the layouts its cells report
 
 
 def shard_size(items: int, workers: int) -> int:

@@ -21,6 +21,7 @@ from kvviz_app.plots.comparison import (
     key_channel_figure,
     kl_figure,
     kv_growth_figure,
+    layouts_figure,
     memory_figure,
     reconstruction_figure,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "key_channel_figure",
     "kl_figure",
     "kv_growth_figure",
+    "layouts_figure",
     "measured_vs_formula_figure",
     "memory_figure",
     "needle_eviction_figure",

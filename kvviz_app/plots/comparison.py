@@ -112,3 +112,28 @@ def key_channel_figure(absmax) -> go.Figure:
                          xaxis_title="KV head × channel", yaxis_title="layer", height=360,
                          margin=dict(t=50, b=40, l=50, r=20))
     return figure
+
+
+LAYOUT_COLOURS = ("#2ca02c", "#9467bd", "#d62728", "#ff7f0e", "#1f77b4")
+
+
+def layouts_figure(held: dict[str, dict[str, int]], freed: dict[str, dict[str, float]], labels: dict[str, str],
+                   block_size: int) -> go.Figure:
+    """Per configuration, side by side: the bytes kvviz counts and what each serving layout would hold, each bar
+    labelled with the share of the full cache (in the same layout) it frees.
+
+    ``held``: method -> layout -> bytes; ``freed``: method -> layout -> share freed; ``labels``: layout -> name,
+    in the order drawn."""
+    figure = go.Figure()
+    methods = list(held)
+    for (layout, label), colour in zip(labels.items(), LAYOUT_COLOURS, strict=False):
+        shares = [freed[m][layout] for m in methods]
+        figure.add_trace(go.Bar(
+            x=methods, y=[held[m][layout] / MiB for m in methods], name=label, marker_color=colour,
+            text=[f"{share:.0%}" for share in shares], textposition="outside", customdata=shares,
+            hovertemplate="%{x}: %{y:.3f} MiB, frees %{customdata:.1%} of full<extra>" + label + "</extra>"))
+    figure.update_layout(barmode="group", height=440, legend=dict(orientation="h", y=-0.22),
+                         title=f"What each layout would hold (blocks of {block_size} token slots); labels: the share "
+                               "of full it frees", margin=dict(t=60, b=40, l=50, r=20), uniformtext_minsize=8)
+    figure.update_yaxes(title_text="MiB")
+    return figure

@@ -9,6 +9,7 @@ import math
 import pandas as pd
 import plotly.graph_objects as go
 
+from kvviz.cache.layouts import LABELS, compression_in
 from kvviz.studies.frontier import MEASURES
 from kvviz.studies.paired import INCONCLUSIVE, WITHIN, WORSE
 from kvviz.studies.sweep import SweepPoint, SweepReport
@@ -32,14 +33,25 @@ def budget_label(point: SweepPoint) -> str:
     return f"{share} · {point.compression:.1f}x" if point.compression else share
 
 
-def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
-    """Quality (``measure_key``) against how many times smaller than full, log scale, one line per family. Points
+def x_of(point: SweepPoint, full: SweepPoint | None, layout: str) -> float | None:
+    """A point's place on the x-axis: how many times smaller than full, in bytes kvviz counts or, for another
+    ``layout`` (:mod:`kvviz.cache.layouts`), in what that layout would hold for the same kept tokens."""
+    if layout == "counted":
+        return point.compression
+    return compression_in(layout, point.layout_bytes, None if full is None else full.layout_bytes)
+
+
+def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counted") -> go.Figure:
+    """Quality (``measure_key``) against how many times smaller than full (in ``layout``'s bytes: :func:`x_of`),
+    log scale, one line per family. Points
     carry their 95% interval as error bars and their verdict against full on that measure as the marker (filled:
     proven within the margin; open: inconclusive; x: worse); a star marks each family's cliff; full is a diamond
     with its interval as a grey band; the frontier is drawn under the lines. For a prompt set, each family's worst
     prompt is a dotted line under its mean."""
     measure = MEASURES[measure_key]
-    points = [p for p in report.points if p.error is None and p.compression is not None
+    reference = next((p for p in report.points if p.spec == "full"), None)
+    x = {p.spec: x_of(p, reference, layout) for p in report.points if p.error is None}
+    points = [p for p in report.points if p.error is None and x[p.spec] is not None
               and getattr(p, measure_key) is not None]
     figure = go.Figure()
     if not points:
@@ -50,15 +62,16 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
         low, high = getattr(full, interval)
         figure.add_hrect(y0=low, y1=high, fillcolor="rgba(120, 120, 120, 0.15)", line_width=0,
                          annotation_text="full's 95% interval", annotation_position="bottom left")
-    frontier = sorted((p for p in points if p.spec in report.frontiers.get(measure_key, [])),
-                      key=lambda p: p.compression)
-    figure.add_trace(go.Scatter(x=[p.compression for p in frontier], y=[getattr(p, measure_key) for p in frontier],
+    # the frontier is found on counted bytes: in another layout's coordinates it is no frontier, so it is not drawn
+    frontier = sorted((p for p in points if p.spec in report.frontiers.get(measure_key, []) and layout == "counted"),
+                      key=lambda p: x[p.spec])
+    figure.add_trace(go.Scatter(x=[x[p.spec] for p in frontier], y=[getattr(p, measure_key) for p in frontier],
                                 name="frontier", mode="lines", hoverinfo="skip",  # first: under the families' lines
                                 line={"color": "rgba(0, 0, 0, 0.18)", "width": 10}))
     cliffs = {c.spec for c in family_cliffs(report, measure_key).values() if c is not None and c.spec}
     for family in dict.fromkeys(p.family for p in points):
         members = sorted((p for p in points if p.family == family),
-                         key=lambda p: (p.budget if p.budget is not None else 0, p.compression))
+                         key=lambda p: (p.budget if p.budget is not None else 0, x[p.spec]))
         values = [getattr(p, measure_key) for p in members]
         bounds = [getattr(p, interval) if interval else None for p in members]
         error = None
@@ -68,14 +81,15 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
                      "arrayminus": [0 if b is None else v - b[0] for b, v in zip(bounds, values, strict=True)]}
         symbols = [_symbol(p, measure_key, cliffs) for p in members]
         figure.add_trace(go.Scatter(
-            x=[p.compression for p in members], y=values, name=family, legendgroup=family, mode="lines+markers",
+            x=[x[p.spec] for p in members], y=values, name=family, legendgroup=family, mode="lines+markers",
             error_y=error, marker={"symbol": symbols, "size": [15 if p.spec in cliffs else 10 for p in members],
                                    "line": {"width": 2}},
-            hovertext=[_hover(p, measure_key, report.margin) for p in members], hoverinfo="text"))
+            hovertext=[_hover(p, measure_key, report.margin, layout, x[p.spec]) for p in members],
+            hoverinfo="text"))
         worst = [p.worst_prompt_agreement for p in members]
         if measure_key == "agreement_with_full" and all(w is not None for w in worst):
             figure.add_trace(go.Scatter(
-                x=[p.compression for p in members], y=worst, name=f"{family}: worst prompt", legendgroup=family,
+                x=[x[p.spec] for p in members], y=worst, name=f"{family}: worst prompt", legendgroup=family,
                 mode="lines+markers", line={"dash": "dot", "width": 1}, marker={"symbol": "x", "size": 6},
                 opacity=0.6, hovertext=[f"<b>{p.spec}</b><br>worst prompt {w:.0%}" for p, w in
                                         zip(members, worst, strict=True)], hoverinfo="text"))
@@ -85,9 +99,11 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
         figure.add_trace(go.Scatter(x=[None], y=[None], mode="markers", hoverinfo="skip",
                                     name=VERDICT_LEGEND[key].replace("the margin", f"{report.margin:g} points"),
                                     marker={"symbol": symbol, "size": 10, "color": "black"}))
-    top = max(p.compression for p in points)
+    top = max(x[p.spec] for p in points)
     ticks = [2.0 ** k for k in range(0, 1 + math.ceil(math.log2(max(2.0, top))))]
-    figure.update_xaxes(type="log", title="compression (times smaller than full, log scale)", tickvals=ticks,
+    counted_as = "" if layout == "counted" else f", {LABELS[layout]}"
+    figure.update_xaxes(type="log", title=f"compression (times smaller than full{counted_as}, log scale)",
+                        tickvals=ticks,
                         ticktext=[f"{t:g}x" for t in ticks])
     figure.update_yaxes(title=measure.label + ("" if measure.higher_is_better else " (lower is better)"),
                         tickformat=".0%" if measure.percent else None)
@@ -107,12 +123,15 @@ def _symbol(point: SweepPoint, measure_key: str, cliffs: set[str]) -> str:
     return "circle" if paired is None else VERDICT_SYMBOLS[paired.verdict]
 
 
-def _hover(point: SweepPoint, measure_key: str, margin: float) -> str:
+def _hover(point: SweepPoint, measure_key: str, margin: float, layout: str = "counted",
+           x: float | None = None) -> str:
     measure = MEASURES[measure_key]
     value = getattr(point, measure_key)
     bound = getattr(point, measure.interval) if measure.interval else None
     lines = [f"<b>{point.spec}</b>", f"{point.compression:.2f}x smaller than full · {point.kv_bytes:,} B",
              f"{measure.label} {measure.with_interval(value, bound)}"]
+    if layout != "counted" and x is not None:
+        lines.insert(2, f"{LABELS[layout]}: {x:.2f}x smaller · {point.layout_bytes[layout]:,} B")
     if point.items_scored:
         lines.append(f"{point.items_scored} scored")
     paired = point.paired_by_measure.get(measure_key)

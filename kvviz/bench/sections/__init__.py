@@ -4,9 +4,9 @@ rewritten after every section). The module's name is the section's name."""
 
 import importlib
 
-ORDER = ("shared_prefill", "batched_compare", "kv_bytes", "replay_vs_generate", "bookkeeping", "decode_large_cache",
-         "kivi", "peer_kvpress", "kvpress_native", "capture", "perplexity", "needle", "prefix", "sweep",
-         "sweep_ray", "classroom", "app")
+ORDER = ("shared_prefill", "batched_compare", "kv_bytes", "layouts", "replay_vs_generate", "bookkeeping",
+         "decode_large_cache", "kivi", "peer_kvpress", "kvpress_native", "capture", "perplexity", "needle", "prefix",
+         "sweep", "sweep_ray", "classroom", "app")
 
 for _name in ORDER:
     importlib.import_module(f"{__name__}.{_name}")
