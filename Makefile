@@ -7,7 +7,7 @@ PORT ?= 8501
 # A plain `streamlit run app.py`: make adds only the port and headless flags (app.py applies the settings).
 SERVE := $(PY) -m streamlit run app.py
 
-.PHONY: run dev warm test bench lint install model browser clean
+.PHONY: run dev warm test bench lint install model browser clean container container-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,28 @@ test: model browser
 
 bench: model
 	$(PY) -m kvviz bench
+
+# The classroom image (docs/deployment.md). CONTAINER_BASE=cuda (default): the CUDA runtime base, for a GPU box;
+# debian: a base made here with debootstrap (once, then reused), for a box without an image registry or a GPU, with
+# this box's CPU torch. Starts a docker engine when none answers; builds with the legacy builder on the host network
+# (no buildx needed), pip reaching the package index as it does here (docker/pip_context.sh). Both are make arguments
+# (make container CONTAINER_BASE=debian IMAGE=kvviz:cpu), not settings read from the environment.
+CONTAINER_BASE = cuda
+IMAGE = kvviz:latest
+DEBIAN_BASE := kvviz-base:bookworm
+PIP_PYTHON = $(firstword $(wildcard $(PY)) $(PYTHON))
+
+container:
+	docker/engine.sh start >/dev/null
+	docker/pip_context.sh $(if $(filter debian,$(CONTAINER_BASE)),cpu,cuda) $(PIP_PYTHON) >/dev/null
+	$(if $(filter debian,$(CONTAINER_BASE)),docker/debian-base.sh $(DEBIAN_BASE))
+	DOCKER_BUILDKIT=0 docker build --network host -t $(IMAGE) \
+	  $(if $(filter debian,$(CONTAINER_BASE)),--build-arg BASE=$(DEBIAN_BASE)) .
+
+# The teacher's path on this box, end to end (scripts/container_check.py): build on the Debian base, run as compose
+# does, a browser against it, a restart, bad settings, a hung server; figures in artifacts/container-check.json.
+container-check: install browser
+	$(PY) scripts/container_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
