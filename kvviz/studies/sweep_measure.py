@@ -168,6 +168,17 @@ def first_error(cells: list[Cell]) -> str | None:
     return next((c.error for c in cells if c.error), None)
 
 
+def fill_measured(point, cells: list[Cell], fulls: list[Cell]) -> bool:
+    """What every item-based point reads first: its first error, else its bytes and outcomes. False when it
+    failed (nothing more to fill)."""
+    point.error = first_error(cells)
+    if point.error is not None:
+        return False
+    fill_bytes(point, cells, fulls)
+    point.outcomes = [cell.outcome for cell in cells]
+    return True
+
+
 def fill_accuracy(point, outcomes: list[Outcome], full: list[Outcome], groups: list[str] | None) -> None:
     """Accuracy over every item and its 95% interval (Wilson; resampling whole groups when items share one), and
     each item's outcome against full's."""
@@ -215,11 +226,8 @@ class TaskMeasuring:
         full = rows.column(0)
         for index, point in enumerate(points):
             cells = rows.column(index)
-            point.error = first_error(cells)
-            if point.error is not None:
+            if not fill_measured(point, cells, full):
                 continue
-            fill_bytes(point, cells, full)
-            point.outcomes = [cell.outcome for cell in cells]
             fill_accuracy(point, point.outcomes, [cell.outcome for cell in full], None)
         right = sum(bool(c.outcome and c.outcome.correct) for c in full)
         notes = [f"The full cache is right on {right} of {len(full)} items ({right / len(full):.0%}); every "
@@ -256,11 +264,8 @@ class PromptMeasuring:
         full = rows.column(0)
         for column, point in enumerate(points):
             cells = rows.column(column)
-            point.error = first_error(cells)
-            if point.error is not None:
+            if not fill_measured(point, cells, full):
                 continue
-            fill_bytes(point, cells, full)
-            point.outcomes = [cell.outcome for cell in cells]
             agreements = [o.agreement for o in point.outcomes]
             point.agreement_with_full = sum(agreements) / len(agreements)
             point.agreement_ci = bootstrap_mean(agreements, groups)
