@@ -186,9 +186,8 @@ class PrefixTurnsRequest(RunRequest):
     repeats: int = 1  # time each prefill this many times and keep the best (the CLI's --repeats)
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> ReuseReport:
-        with loaded.lock:
-            return run_turns(loaded, [list(p) for p in self.prompts], list(self.labels), self.block_tokens,
-                             self.repeats, progress=progress)
+        return run_turns(loaded, [list(p) for p in self.prompts], list(self.labels), self.block_tokens, self.repeats,
+                         progress=progress)
 
 
 @dataclass(frozen=True)
@@ -216,8 +215,7 @@ class ContextCostRequest(RunRequest):
     lengths: tuple[int, ...]
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> list[LengthCost]:
-        with loaded.lock:
-            return context_cost(loaded, list(self.tokens), list(self.lengths), progress)
+        return context_cost(loaded, list(self.tokens), list(self.lengths), progress)
 
 
 @dataclass(frozen=True)

@@ -59,3 +59,28 @@ def test_an_idle_engines_thread_ends_and_the_next_work_starts_another(tiny_model
     assert not first.is_alive(), "idle: the thread ended (and with it its hold on the model)"
     second = engine.call(threading.current_thread)
     assert second is not first and second.name == "kvviz-engine" and engine.threads_started == 2
+
+
+def test_a_study_called_directly_runs_on_the_engines_thread(tiny_model, story_ids, forward_threads):
+    """The CLI, the bench and notebooks call studies as functions, not through a request: every forward still runs
+    on the engine's thread (a second thread with torch work of its own would start a second OpenMP pool)."""
+    from kvviz.studies.perplexity import streaming_perplexities, streaming_perplexity
+    from kvviz.studies.prefix_reuse import context_cost
+
+    ids = story_ids[:24]
+    streaming_perplexity(tiny_model, ids, "window:window=8")
+    outcomes = streaming_perplexities(tiny_model, ids, ["full", "window:window=8", "h2o:heavy=4,recent=4"])
+    assert all(not isinstance(outcome, Exception) for outcome in outcomes), outcomes
+    assert [cost.tokens for cost in context_cost(tiny_model, ids, [8, 16])] == [8, 16]
+    assert {thread.name for thread in forward_threads} == {"kvviz-engine"}
+
+
+def test_a_studys_progress_reports_and_errors_reach_its_caller(tiny_model, story_ids):
+    """A study on the engine reports progress to its caller's callback and raises its errors in the caller."""
+    from kvviz.studies.perplexity import streaming_perplexity
+
+    reports: list[float] = []
+    streaming_perplexity(tiny_model, story_ids[:40], "window:window=8", progress=lambda f, m: reports.append(f))
+    assert reports and reports[-1] == pytest.approx(1.0, abs=0.1)
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        streaming_perplexity(tiny_model, story_ids[:1], "full")

@@ -15,8 +15,10 @@ between kernels and each kernel waits for its helpers to wake. Model work on one
 for the whole server, so it computes on every core run after run; and glibc's malloc, which gives each allocating
 thread an arena of its own and keeps what a run freed there, finds the next run's tensors in the same arena. Both
 used to need a new thread per run, an arena cap in the server's environment and protobuf in pure Python
-(docs/architecture.md, docs/performance.md). A process of its own would add a copy of every result and cache between
-the two, for nothing a thread lacks here: the engine's work holds the interpreter lock only between kernels.
+(docs/architecture.md, docs/performance.md). A process of its own was measured against this thread (the bench's
+``engine_process`` section): it ran a comparison no faster, took seconds to start and a second copy of torch and the
+model in memory, and would carry every result, progress report and cancellation over a pipe; the engine's work holds
+the interpreter lock only between kernels, so a thread leaves the server's other threads free.
 
 The engine's turn is the model's :class:`~kvviz.runtime.turns.FairLock`: the loop holds it for each turn, so a caller
 that takes ``loaded.lock`` itself (a test, a notebook) has the model to itself for its block and runs its work
@@ -26,6 +28,7 @@ inline, as :meth:`call` and :meth:`decode` do on the engine's own thread. The th
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -162,6 +165,18 @@ class Engine:
         finally:
             self.forwards += 1
             self.seconds += time.perf_counter() - started
+
+
+def on_engine(study: Callable[..., T]) -> Callable[..., T]:
+    """``study(loaded, ...)`` run as one piece of its model's engine work, whoever calls it (a page's request, the
+    CLI, the bench, a notebook): the engine has the model to itself for the whole study, and every forward runs on
+    the engine's thread, so a caller never starts a second OpenMP pool of its own beside the engine's."""
+
+    @functools.wraps(study)
+    def served(loaded, *args, **kwargs) -> T:
+        return loaded.engine.call(lambda: study(loaded, *args, **kwargs))
+
+    return served
 
 
 class SharedCount:

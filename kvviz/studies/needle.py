@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from kvviz.cache.ledger import KEPT, EvictionLedger
 from kvviz.engine.session import PromptError, PromptSession, capture_for
 from kvviz.methods import parse_spec
+from kvviz.runtime.engine import on_engine
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 
@@ -226,6 +227,7 @@ def split_for_mode(ids: list[int], question_start: int, mode: str) -> tuple[list
     return ids, None
 
 
+@on_engine
 def run_needle_grid(
     loaded: LoadedModel,
     specs: list[str],
@@ -251,21 +253,20 @@ def run_needle_grid(
     cases = [(trial, length, depth) for trial in range(trials) for length in lengths for depth in depths]
     started = time.perf_counter()
     cells: list[NeedleCell] = []
-    with loaded.lock:
-        for number, (trial, length, depth) in enumerate(cases):
-            prompt = build_needle_prompt(loaded.tokenizer, length, depth, seed, trial, chat)
-            context, suffix = split_for_mode(prompt.ids, prompt.question_start, mode)
-            session = PromptSession(loaded, context)
-            session.prefill(capture)
-            for index, stack in enumerate(stacks):
-                if progress is not None:
-                    progress((number + index / len(stacks)) / len(cases),
-                             f"{stack.label}: length {length}, depth {depth:.0%}, trial {trial + 1} of {trials}")
-                result, _ = session.run(stack, max_new_tokens, suffix_tokens=suffix)
-                survived, step, layers = needle_eviction(result.ledger, prompt.needle_positions)
-                cells.append(NeedleCell(stack.label, length, depth, trial, mode, prompt.key, result.text,
-                                        prompt.key in result.text, len(prompt.ids), prompt.needle_positions,
-                                        survived, step, layers))
+    for number, (trial, length, depth) in enumerate(cases):
+        prompt = build_needle_prompt(loaded.tokenizer, length, depth, seed, trial, chat)
+        context, suffix = split_for_mode(prompt.ids, prompt.question_start, mode)
+        session = PromptSession(loaded, context)
+        session.prefill(capture)
+        for index, stack in enumerate(stacks):
+            if progress is not None:
+                progress((number + index / len(stacks)) / len(cases),
+                         f"{stack.label}: length {length}, depth {depth:.0%}, trial {trial + 1} of {trials}")
+            result, _ = session.run(stack, max_new_tokens, suffix_tokens=suffix)
+            survived, step, layers = needle_eviction(result.ledger, prompt.needle_positions)
+            cells.append(NeedleCell(stack.label, length, depth, trial, mode, prompt.key, result.text,
+                                    prompt.key in result.text, len(prompt.ids), prompt.needle_positions,
+                                    survived, step, layers))
     if progress is not None:
         progress(1.0, "done")
     settings = {"model": loaded.name, "methods": [s.label for s in stacks], "lengths": lengths, "depths": depths,

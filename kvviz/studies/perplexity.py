@@ -21,6 +21,7 @@ from kvviz.cache.protocol import Decode
 from kvviz.engine.session import PromptSession, check_context
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.runtime.batch import forward_rows
+from kvviz.runtime.engine import on_engine
 from kvviz.runtime.invariance import rows_as_they_come
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
@@ -119,6 +120,7 @@ def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) ->
     return losses, cache.nbytes().total
 
 
+@on_engine
 def streaming_perplexity(
     loaded: LoadedModel,
     token_ids: list[int],
@@ -136,9 +138,8 @@ def streaming_perplexity(
     check_context(loaded, len(token_ids), room=0, what="the text")
     exact = stack.label != "full"
     started = time.perf_counter()
-    with loaded.lock:
-        losses, kv_bytes = (_streamed(loaded, token_ids, spec, progress) if exact
-                            else _full_chunked(loaded, token_ids, progress))
+    losses, kv_bytes = (_streamed(loaded, token_ids, spec, progress) if exact
+                        else _full_chunked(loaded, token_ids, progress))
     scored = losses[first - 1:]
     nll = float(scored.mean())
     return PerplexityResult(method=stack.label, tokens=scored.numel(), start=first, nll=nll, ppl=math.exp(nll),
@@ -146,6 +147,7 @@ def streaming_perplexity(
                             kv_bytes=kv_bytes)
 
 
+@on_engine
 def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: list[str],
                            progress: Progress | None = None
                            ) -> list[PerplexityResult | SpecError]:
@@ -162,39 +164,38 @@ def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: lis
     outcomes: list[PerplexityResult | SpecError | None] = [None] * len(specs)
     streams: dict[int, KVCache] = {}
     total = len(token_ids) - 1
-    with loaded.lock:
-        session = PromptSession(loaded, token_ids[:1])
-        for index, spec in enumerate(specs):
-            if parse_spec(spec).label == "full":
-                losses, kv_bytes = _full_chunked(loaded, token_ids, None)
-                outcomes[index] = _result("full", losses, kv_bytes, started, exact=False)
-                continue
-            try:
-                streams[index] = _streaming_cache(session, spec)
-            except SpecError as error:
-                outcomes[index] = error
-        first = -torch.log_softmax(session.prefill().last_logits.float(), dim=-1)[token_ids[1]].cpu()
-        losses = {index: torch.empty(total) for index in streams}
-        for loss in losses.values():
-            loss[0] = first
-        with torch.inference_mode():
-            for position in range(1, total):
-                alive = list(streams)
-                if not alive:
-                    break
-                logits, failures = forward_rows(loaded.model, [streams[i] for i in alive],
-                                                [token_ids[position]] * len(alive), [position] * len(alive),
-                                                [position] * len(alive), loaded.device)
-                nll = -torch.log_softmax(logits.float(), dim=-1)[:, token_ids[position + 1]].cpu()
-                for row, index in enumerate(alive):
-                    if row in failures:
-                        outcomes[index] = SpecError(f"{parse_spec(specs[index]).label} failed at token {position}: "
-                                                    f"{failures[row]}")
-                        del streams[index]
-                    else:
-                        losses[index][position] = nll[row]
-                if progress is not None and (position % 16 == 0 or position == total - 1):
-                    progress(position / total, f"token {position}/{total}, {len(streams)} methods together")
+    session = PromptSession(loaded, token_ids[:1])
+    for index, spec in enumerate(specs):
+        if parse_spec(spec).label == "full":
+            losses, kv_bytes = _full_chunked(loaded, token_ids, None)
+            outcomes[index] = _result("full", losses, kv_bytes, started, exact=False)
+            continue
+        try:
+            streams[index] = _streaming_cache(session, spec)
+        except SpecError as error:
+            outcomes[index] = error
+    first = -torch.log_softmax(session.prefill().last_logits.float(), dim=-1)[token_ids[1]].cpu()
+    losses = {index: torch.empty(total) for index in streams}
+    for loss in losses.values():
+        loss[0] = first
+    with torch.inference_mode():
+        for position in range(1, total):
+            alive = list(streams)
+            if not alive:
+                break
+            logits, failures = forward_rows(loaded.model, [streams[i] for i in alive],
+                                            [token_ids[position]] * len(alive), [position] * len(alive),
+                                            [position] * len(alive), loaded.device)
+            nll = -torch.log_softmax(logits.float(), dim=-1)[:, token_ids[position + 1]].cpu()
+            for row, index in enumerate(alive):
+                if row in failures:
+                    outcomes[index] = SpecError(f"{parse_spec(specs[index]).label} failed at token {position}: "
+                                                f"{failures[row]}")
+                    del streams[index]
+                else:
+                    losses[index][position] = nll[row]
+            if progress is not None and (position % 16 == 0 or position == total - 1):
+                progress(position / total, f"token {position}/{total}, {len(streams)} methods together")
     for index, cache in streams.items():
         outcomes[index] = _result(parse_spec(specs[index]).label, losses[index], cache.nbytes().total, started,
                                   exact=True)

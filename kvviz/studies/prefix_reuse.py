@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvviz.runtime.engine import on_engine
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefill import prefill_with_prefix
 from kvviz.runtime.prefix import BLOCK_TOKENS, PrefixCache, PrefixLookup
@@ -98,11 +99,12 @@ class ReuseReport:
                 f"max |logit diff| {t.max_logit_diff:.2e}" for t in self.turns]
 
 
+@on_engine
 def run_turns(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] | None = None,
               block_tokens: int = BLOCK_TOKENS, repeats: int = 1, progress=None) -> ReuseReport:
     """Run ``prompts`` in order through a new prefix cache (so the first one misses everywhere): each turn is timed
     fresh and with reuse (best of ``repeats``, alternated so a slow spell of a shared machine hits both) and its
-    reused logits compared with the fresh ones. Hold ``loaded.lock`` or call from one thread per model."""
+    reused logits compared with the fresh ones. One piece of the model engine's work."""
     prefix = PrefixCache(block_tokens=block_tokens, budget_bytes=2**62)
     report = ReuseReport(block_tokens)
     # warm-up: the first forward pays one-off costs
@@ -137,6 +139,7 @@ class LengthCost:
     kv_bytes: int
 
 
+@on_engine
 def context_cost(loaded: LoadedModel, token_ids: list[int], lengths: list[int], progress=None) -> list[LengthCost]:
     """Prefill time and cache bytes for the first ``n`` tokens of ``token_ids`` (repeated when shorter) per length."""
     costs = []

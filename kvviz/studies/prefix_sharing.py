@@ -24,6 +24,7 @@ from kvviz.cache.storage import gather_tokens
 from kvviz.engine.metrics import forced_comparison
 from kvviz.engine.session import PromptSession
 from kvviz.methods import parse_spec
+from kvviz.runtime.engine import on_engine
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefill import prefill_with_prefix
 from kvviz.runtime.progress import Progress
@@ -117,6 +118,7 @@ def preamble_cut_to(dense: KVCache, kept: list[list[set[int]]], preamble_tokens:
     return cache
 
 
+@on_engine
 def compare_sharing(loaded: LoadedModel, preamble_ids: list[int], question_a: list[int], question_b: list[int],
                     specs: list[str] | tuple[str, ...] = DEFAULT_METHODS, max_new_tokens: int = 16,
                     progress: Progress | None = None) -> SharingReport:
@@ -129,37 +131,36 @@ def compare_sharing(loaded: LoadedModel, preamble_ids: list[int], question_a: li
     report = SharingReport(preamble_tokens, (len(question_a), len(question_b)), max_new_tokens)
     eos = eos_token_ids(loaded.model, loaded.tokenizer)
     steps = len(stacks) * len(MODES) + 1
-    with loaded.lock:
-        _report(progress, 0, steps, "full cache: reference answer to B")
-        _, reference = PromptSession(loaded, preamble_ids + question_b, reuse_prefix=True).run(
-            "full", max_new_tokens, keep_logprobs=True)
-        dense = prefill_with_prefix(loaded.model, loaded.device, preamble_ids, loaded.prefix_cache).cache
+    _report(progress, 0, steps, "full cache: reference answer to B")
+    _, reference = PromptSession(loaded, preamble_ids + question_b, reuse_prefix=True).run(
+        "full", max_new_tokens, keep_logprobs=True)
+    dense = prefill_with_prefix(loaded.model, loaded.device, preamble_ids, loaded.prefix_cache).cache
 
-        def answer_b(kept: list[list[set[int]]]):
-            cache = preamble_cut_to(dense, kept, preamble_tokens)
-            unused = torch.zeros(1)  # the question's last token gives the first logits
-            trace = decode(loaded.model, cache, unused, max_new_tokens, loaded.device, eos,
-                           forced_tokens=reference.token_ids, keep_logprobs=True, suffix_tokens=question_b)
-            return forced_comparison(reference.step_logprobs, trace.step_logprobs)
+    def answer_b(kept: list[list[set[int]]]):
+        cache = preamble_cut_to(dense, kept, preamble_tokens)
+        unused = torch.zeros(1)  # the question's last token gives the first logits
+        trace = decode(loaded.model, cache, unused, max_new_tokens, loaded.device, eos,
+                       forced_tokens=reference.token_ids, keep_logprobs=True, suffix_tokens=question_b)
+        return forced_comparison(reference.step_logprobs, trace.step_logprobs)
 
-        for index, stack in enumerate(stacks):
-            for offset, mode in enumerate(MODES):
-                _report(progress, 1 + index * len(MODES) + offset, steps, f"{stack.label}, {mode.replace('_', '-')}")
-                if mode == "query_aware":
-                    kept_a = kept_preamble(PromptSession(loaded, preamble_ids + question_a, reuse_prefix=True)
-                                           .fork(stack, ledger=False), preamble_tokens)
-                    kept_b = kept_preamble(PromptSession(loaded, preamble_ids + question_b, reuse_prefix=True)
-                                           .fork(stack, ledger=False), preamble_tokens)
-                else:  # the preamble compressed alone serves every question
-                    kept_a = kept_b = kept_preamble(PromptSession(loaded, preamble_ids, reuse_prefix=True)
-                                                    .fork(stack, ledger=False), preamble_tokens)
-                own = answer_b(kept_b)
-                shared = own if kept_a == kept_b else answer_b(kept_a)
-                overlap = [sum(jaccard(a, b) for a, b in zip(la, lb, strict=True)) / len(la)
-                           for la, lb in zip(kept_a, kept_b, strict=True)]
-                sizes = [len(head) for kept in (kept_a, kept_b) for layer in kept for head in layer]
-                report.rows.append(SharingRow(stack.label, mode, overlap, sum(sizes) / len(sizes), own.agreement,
-                                              own.mean_kl or 0.0, shared.agreement, shared.mean_kl or 0.0))
+    for index, stack in enumerate(stacks):
+        for offset, mode in enumerate(MODES):
+            _report(progress, 1 + index * len(MODES) + offset, steps, f"{stack.label}, {mode.replace('_', '-')}")
+            if mode == "query_aware":
+                kept_a = kept_preamble(PromptSession(loaded, preamble_ids + question_a, reuse_prefix=True)
+                                       .fork(stack, ledger=False), preamble_tokens)
+                kept_b = kept_preamble(PromptSession(loaded, preamble_ids + question_b, reuse_prefix=True)
+                                       .fork(stack, ledger=False), preamble_tokens)
+            else:  # the preamble compressed alone serves every question
+                kept_a = kept_b = kept_preamble(PromptSession(loaded, preamble_ids, reuse_prefix=True)
+                                                .fork(stack, ledger=False), preamble_tokens)
+            own = answer_b(kept_b)
+            shared = own if kept_a == kept_b else answer_b(kept_a)
+            overlap = [sum(jaccard(a, b) for a, b in zip(la, lb, strict=True)) / len(la)
+                       for la, lb in zip(kept_a, kept_b, strict=True)]
+            sizes = [len(head) for kept in (kept_a, kept_b) for layer in kept for head in layer]
+            report.rows.append(SharingRow(stack.label, mode, overlap, sum(sizes) / len(sizes), own.agreement,
+                                          own.mean_kl or 0.0, shared.agreement, shared.mean_kl or 0.0))
     _report(progress, steps, steps, "done")
     return report
 

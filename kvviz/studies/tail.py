@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from kvviz.engine.session import PromptError, PromptSession, capture_for, reference_first
 from kvviz.methods import MethodStack, parse_spec
+from kvviz.runtime.engine import on_engine
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress, share
 from kvviz.studies.needle import check_grid, split_for_mode
@@ -178,6 +179,7 @@ class Calibration:
                  else "items"} for label, (g, k) in self.counts.items()]
 
 
+@on_engine
 def run_tail(
     loaded: LoadedModel,
     specs: list[str],
@@ -209,11 +211,10 @@ def run_tail(
     started = time.perf_counter()
     cells: list[TailCell] = []
     calibration = Calibration()
-    with loaded.lock:
-        for number, item in enumerate(items):
-            report = share(progress, number / len(items), (number + 1) / len(items),
-                           f"{item.label}, {item.length} tokens: ")
-            cells += _run_item(loaded, item, runs, capture, mode, calibration, report)
+    for number, item in enumerate(items):
+        report = share(progress, number / len(items), (number + 1) / len(items),
+                       f"{item.label}, {item.length} tokens: ")
+        cells += _run_item(loaded, item, runs, capture, mode, calibration, report)
     if progress is not None:
         progress(1.0, "done")
     settings = {"model": loaded.name, "methods": [s.label for s in stacks], "tasks": tasks, "lengths": lengths,

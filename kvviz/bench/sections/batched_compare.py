@@ -19,10 +19,9 @@ from kvviz.runtime.models import LoadedModel
 def row_lengths(loaded: LoadedModel, ids: list[int], specs: list[str]) -> list[int]:
     """Each configuration's cache length after its prompt is compressed: what the batch's first forward holds."""
     stacks = [parse_spec(spec) for spec in specs]  # batched_specs: full comes first, as compare() puts it
-    with loaded.lock:
-        session = PromptSession(loaded, ids)
-        session.prefill(capture_for(stacks))
-        return [session.fork(stack, ledger=False).get_seq_length() for stack in stacks]
+    session = PromptSession(loaded, ids)
+    session.prefill(capture_for(stacks))
+    return [session.fork(stack, ledger=False).get_seq_length() for stack in stacks]
 
 
 def plain_batched_decode(loaded: LoadedModel, lengths: list[int], steps: int) -> float:
