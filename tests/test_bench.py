@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -223,6 +224,18 @@ def test_process_times_split_a_processs_cpu_into_its_own_and_the_kernels():
     assert process_times(gone.pid) == (0.0, 0.0)
 
 
+def test_resident_bytes_grow_with_touched_memory_and_read_zero_for_a_process_that_is_gone():
+    from kvviz.bench.browser import resident_bytes
+
+    before = resident_bytes(os.getpid())
+    pages = bytearray(200 * 2**20)
+    pages[::4096] = b"x" * len(pages[::4096])
+    assert resident_bytes(os.getpid()) - before > 150 * 2**20
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    assert resident_bytes(gone.pid) == 0
+
+
 def test_the_app_section_pairs_each_sides_kernel_seconds_by_passage():
     """The app-vs-engine note lists, passage by passage, the server's kernel seconds against the mean of the engine's
     runs just before and after (where a virtual machine's page faults show, on either side)."""
@@ -288,3 +301,25 @@ def test_the_layouts_section_times_every_configuration_s_layouts_against_its_com
     assert figures["layout_seconds"].value < figures["compare_seconds"].value
     assert figures["layout_bytes_vs_compare"].target == "<= 0.05"
     assert "full_paged_shared" in figures and figures["full_paged_shared"].value >= 100
+
+
+def test_a_section_runs_on_the_engine_and_a_client_section_on_its_own_thread(monkeypatch):
+    """kvviz's paths and a section's baselines compute on the same thread, the engine's; a client section (the
+    class, the served app) submits from threads of its own and the engine serves it."""
+    from kvviz.bench import harness
+
+    loaded = bench.random_model("tiny", "cpu")
+    threads: dict[str, str] = {}
+
+    def record(name: str):
+        def runner(run):
+            threads[name] = threading.current_thread().name
+            return harness.Section(name, name)
+        return runner
+
+    monkeypatch.setattr(harness, "RUNNERS", {})
+    monkeypatch.setattr(harness, "CLIENTS", set())
+    harness.bench_section("measured")(record("measured"))
+    harness.bench_section("served", client=True)(record("served"))
+    bench.run_bench(loaded, "quick")
+    assert threads == {"measured": "kvviz-engine", "served": threading.current_thread().name}

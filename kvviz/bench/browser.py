@@ -72,6 +72,15 @@ def process_times(pid: int, proc: Path = PROC) -> ProcessTimes:
     return ProcessTimes(int(fields[11]) / tick, int(fields[12]) / tick)
 
 
+def resident_bytes(pid: int, proc: Path = PROC) -> int:
+    """Process ``pid``'s resident memory now (``VmRSS`` in the kernel's process table); 0 once it is gone."""
+    try:
+        status = (proc / str(pid) / "status").read_text()
+    except OSError:
+        return 0
+    return next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+
+
 def process_cpu_seconds(pid: int) -> float:
     """CPU seconds process ``pid`` has used so far, every thread counted (user and system); 0 once it is gone."""
     return sum(process_times(pid))

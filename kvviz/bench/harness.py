@@ -295,15 +295,21 @@ def shared_measurement(measure: Callable[[BenchRun], T]) -> Callable[[BenchRun],
 
 Runner = Callable[[BenchRun], Section]
 RUNNERS: dict[str, Runner] = {}  # in registration order, which is the order sections run in
+CLIENTS: set[str] = set()  # sections that act as the engine's clients (a scheduler's runs, a served app)
 
 
-def bench_section(name: str) -> Callable[[Runner], Runner]:
-    """Register a section's function under ``name`` (the name in ``--sections`` and in the report)."""
+def bench_section(name: str, client: bool = False) -> Callable[[Runner], Runner]:
+    """Register a section's function under ``name`` (the name in ``--sections`` and in the report). A section runs
+    as one piece of the model engine's work, so kvviz's paths and their baselines compute on the same thread, the
+    engine's (:mod:`kvviz.runtime.engine`); a ``client`` section instead submits runs from threads of its own, as
+    the app's users do, and the engine serves them."""
 
     def register(runner: Runner) -> Runner:
         if name in RUNNERS:
             raise ValueError(f"bench section {name!r} is registered twice")
         RUNNERS[name] = runner
+        if client:
+            CLIENTS.add(name)
         return runner
 
     return register
@@ -341,7 +347,8 @@ def run_bench(loaded: LoadedModel, preset: str = "default", sections: Iterable[s
         run.log(f"[{name}]")
         section_started, load_before = time.perf_counter(), _load_average()
         try:
-            section = RUNNERS[name](run)
+            runner = RUNNERS[name]
+            section = runner(run) if name in CLIENTS else loaded.engine.call(lambda runner=runner: runner(run))
         except (RuntimeError, ValueError, ImportError, AttributeError, TypeError, KeyError) as error:
             section = Section(name, name, skipped=f"failed: {type(error).__name__}: {error}")
         section.seconds = round(time.perf_counter() - section_started, 2)

@@ -5,13 +5,12 @@ Decoding together pays where a decode step is bound by reading the weights: a ru
 read the same weights and cost the others little, so every run finishes sooner. Where a step is bound by its
 arithmetic (on a CPU, rows attending over long caches: attention and each method's bookkeeping are paid per row), a
 run admitted beside others adds its whole work to every step of theirs, and its prefill runs between their steps:
-nobody's result comes before the end. Measured on the 2-core CPU (``python -m kvviz bench --sections classroom``,
-docs/performance.md): 30 short comparisons (two configurations on a ~30-token prompt, some 80 positions each) all done
-in 0.48x of the time one at a time, eight decoding together, and every wait shorter (0.29-0.37x while runs one at a
-time still lost a third of the cores to OpenMP's pools, :mod:`kvviz.runtime.engine`); four comparisons of six
-configurations on 2K-token uploads (12K positions each) all done in 0.78x together, but the median student waited 66 s
-against 41 s one at a time. With four students, pairs could keep the median and the 95th percentile only if two
-uploads together took at most 1.5 times one alone; the linear layers are the only part of a step a batch shares.
+nobody's result comes before the end. The bench's class (``python -m kvviz bench --sections classroom``; its figures,
+dated, in docs/performance.md) measures both: many short comparisons finish sooner decoding together and every wait
+shortens, while comparisons of six configurations on 2K-token uploads finish together only a little sooner and the
+median student waits longer than one at a time. With four students, pairs could keep the median and the 95th
+percentile only if two uploads together took at most 1.5 times one alone; the linear layers are the only part of a
+step a batch shares.
 
 So a run joins the runs in progress only while the positions their rows attend over at each step (each run's prompt
 tokens times its configurations) stay within its device's bound. On a CPU that bound is 2,048 positions: a decode step
@@ -19,7 +18,8 @@ of SmolLM2 reads its weights in about 25 ms and spends about 20 us per cached po
 of six configurations: about 310 ms a step, 75 ms of it in the linear layers), so past some 2K positions a step is
 mostly work a batch does not share. Short comparisons batch eight at a time; a 2K upload runs alone. An accelerator's
 step stays bound by reading the weights far longer, so there the count of runs is the only bound. A run that holds
-the model by itself (a study, whose runs take the model's lock throughout) is admitted only when nothing else runs.
+the model by itself (a study: one piece of the engine's work, :func:`kvviz.runtime.engine.on_engine`) is admitted
+only when nothing else runs.
 """
 
 from __future__ import annotations

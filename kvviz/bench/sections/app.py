@@ -35,6 +35,7 @@ from kvviz.bench.browser import (
     chromium_path,
     last_change,
     process_times,
+    resident_bytes,
     served_app,
     settle,
     text_shown,
@@ -260,7 +261,7 @@ def _time_lessons(section: Section, browser, base: str, timeout: float, log) -> 
         section.add(f"lesson_{step}_warm", warm, "s", "<= 2", note="the stored result, from a new session")
 
 
-@bench_section("app")
+@bench_section("app", client=True)
 def app(run: BenchRun) -> Section:
     """Served app vs engine on the issue's comparison, cached re-render, lessons cold/warm."""
     loaded, sizes, log = run.loaded, run.sizes, run.log
@@ -350,6 +351,9 @@ def app(run: BenchRun) -> Section:
                 _add_cached(section, first_visits, returns)
                 if sizes.lessons:
                     _time_lessons(section, browser, served.url, timeout, log)
+                section.add("server_resident_gb", resident_bytes(served.pid) / 1e9, "GB",
+                            note=f"the server's resident memory after {1 + 2 * sizes.app_runs} comparisons, the "
+                                 "cached visits and the lessons (the model, torch, Streamlit and the heap they keep)")
             finally:
                 browser.close()
                 if idle_browser is not None:

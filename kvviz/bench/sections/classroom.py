@@ -184,7 +184,7 @@ def _add_projection(section: Section, name: str, wait: ClassWait, what: str) -> 
     section.add(f"{name}_projected_all_done", wait.done, "s", note="until the last student has a result")
 
 
-@bench_section("classroom")
+@bench_section("classroom", client=True)
 def classroom(run: BenchRun) -> Section:
     """Lesson steps cold, a student's short comparison and a 2K upload's comparison per run; class-of-30 waits
     projected; both classes served one at a time and as the server admits runs together."""
