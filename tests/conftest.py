@@ -56,3 +56,23 @@ def story_ids(real_model) -> list[int]:
         "storm, where he wrote: the gulls came back today. "
     )
     return real_model.tokenizer(text * 2)["input_ids"]
+
+
+@pytest.fixture(scope="session")
+def served(tmp_path_factory):
+    """A plain ``streamlit run app.py`` (as ``make run`` serves it) on a free port, shared by the browser tests until
+    the session ends (one start instead of one per module)."""
+    from kvviz.bench.browser import chromium_path, served_app
+
+    if chromium_path() is None:
+        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
+    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+
+    with served_app(tmp_path_factory.mktemp("streamlit") / "server.log", startup=60) as app:
+        yield app
+
+
+@pytest.fixture(scope="session")
+def server(served) -> str:
+    """The served app's address."""
+    return served.url

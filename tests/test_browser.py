@@ -5,32 +5,19 @@ Screenshots of each page land in docs/screenshots/ (docs/architecture.md shows t
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from kvviz.bench import browser, dom
-from kvviz.bench.browser import served_app
+from kvviz.bench.browser import chromium_path
 
 ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = chromium_path() or "/usr/bin/chromium"
 SHOTS = ROOT / "docs" / "screenshots"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SPECS = ["full", "streaming_llm:sinks=2,window=16", "kivi:residual=0"]
 
 pytestmark = pytest.mark.browser
-SERVED: dict[str, int] = {}  # the server's process id, for checks on the served process itself
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A plain ``streamlit run app.py`` (as ``make run`` serves it), on a free port, until the module's tests finish."""
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
-    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    with served_app(tmp_path_factory.mktemp("streamlit") / "server.log", startup=60) as served:
-        SERVED["pid"] = served.pid
-        yield served.url
 
 
 def settle(page, timeout: float = 240) -> None:
@@ -68,7 +55,7 @@ def inotify_watches(pid: int) -> int:
     return watches
 
 
-def test_served_app_watches_no_files_and_deep_links_show_only_the_pages(server):
+def test_served_app_watches_no_files_and_deep_links_show_only_the_pages(server, served):
     """Serving (``make run``, the container) reads .streamlit/config.toml: no file watcher, even once a browser
     session is open (Streamlit starts watching per session; watching .venv cost about one core)."""
     from playwright.sync_api import sync_playwright
@@ -79,7 +66,7 @@ def test_served_app_watches_no_files_and_deep_links_show_only_the_pages(server):
         page = browser.new_page()
         page.goto(f"{server}/Memory_planner")
         settle(page)
-        assert inotify_watches(SERVED["pid"]) == 0
+        assert inotify_watches(served.pid) == 0
         entries = page.locator(dom.SIDEBAR_NAV_LINK).all_inner_texts()
         assert entries and "Home" in entries[0] and not any(e.strip() == "app" for e in entries), entries
         browser.close()

@@ -1,28 +1,15 @@
 """In a real browser: Compare and Trade-offs show what each serving layout would hold (kvviz.cache.layouts).
 
-Screenshots land in docs/screenshots/ (docs/layouts.md shows them). The served app and the helpers are
+Screenshots land in docs/screenshots/ (docs/layouts.md shows them). The served app is tests/conftest.py's, the helpers
 tests/test_browser.py's."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from kvviz.bench.browser import served_app
-from tests.test_browser import CHROMIUM, _browser, no_exception, settle, shoot
+from tests.test_browser import _browser, no_exception, settle, shoot
 
 pytestmark = pytest.mark.browser
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """The app served as ``make run`` serves it, as tests/test_browser.py's fixture does."""
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
-    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    with served_app(tmp_path_factory.mktemp("streamlit") / "server.log", startup=60) as served:
-        yield served.url
 
 
 def shoot_from(page, name: str, text: str) -> None:

@@ -5,7 +5,7 @@ import threading
 import time
 
 from kvviz.runtime.admission import RunSize
-from kvviz.runtime.scheduler import ABANDONED, CANCELLED, DONE, FAILED, Scheduler
+from kvviz.runtime.scheduler import ABANDONED, CANCELLED, DONE, FAILED, Scheduler, Ticket
 
 
 def _blocker():
@@ -18,12 +18,18 @@ def _blocker():
     return gate, job
 
 
-def test_round_robin_across_users_and_positions():
+def _blocked_queue() -> tuple[Scheduler, threading.Event, Ticket]:
+    """A scheduler whose one worker runs alice's first run until the gate opens."""
     queue = Scheduler()
     gate, job = _blocker()
     first = queue.submit("alice", job)
     while first.status != "running":
         time.sleep(0.01)
+    return queue, gate, first
+
+
+def test_round_robin_across_users_and_positions():
+    queue, gate, first = _blocked_queue()
     started: list[str] = []
 
     def record(name):
@@ -100,11 +106,7 @@ def test_a_running_job_whose_page_stopped_polling_is_abandoned():
 def test_the_third_of_three_users_is_told_two_runs_are_ahead():
     from kvviz_app.progress_ui import queue_message
 
-    queue = Scheduler()
-    gate, job = _blocker()
-    first = queue.submit("alice", job)
-    while first.status != "running":
-        time.sleep(0.01)
+    queue, gate, first = _blocked_queue()
     second = queue.submit("bob", lambda progress: "b")
     third = queue.submit("carol", lambda progress: "c")
     assert (queue.ahead(first), queue.ahead(second), queue.ahead(third)) == (0, 1, 2)
