@@ -323,3 +323,53 @@ def test_a_section_runs_on_the_engine_and_a_client_section_on_its_own_thread(mon
     harness.bench_section("served", client=True)(record("served"))
     bench.run_bench(loaded, "quick")
     assert threads == {"measured": "kvviz-engine", "served": threading.current_thread().name}
+
+
+def test_streamlits_dom_is_named_only_in_the_dom_module():
+    """The bench, the browser tests and the container check find a page's elements through kvviz.bench.dom, so a
+    Streamlit (or plotly.js) rename is mended there once."""
+    root = Path(__file__).resolve().parents[1]
+    files = [*(root / "kvviz").rglob("*.py"), *(root / "tests").glob("*.py"), *(root / "scripts").glob("*.py")]
+    named = [str(path.relative_to(root)) for path in files
+             if path.name != "dom.py" and path != Path(__file__).resolve()
+             and any(selector in path.read_text() for selector in ("data-testid", "js-plotly-plot"))]
+    assert named == []
+
+
+def test_the_engine_process_section_raises_when_its_process_fails_or_dies_instead_of_waiting():
+    """A process that could not load its model says why; one that died leaves nothing to read, and the section
+    raises instead of waiting on the socket for ever (a child that died once hung the whole test run)."""
+    from kvviz.bench.sections.engine_process import ProcessFailed, receive, start_engine_process, start_process
+
+    for (process, connection), said in ((start_engine_process("no-such-model", "cpu", "float32", "auto"),
+                                         "no-such-model"),
+                                        (start_process("import os; os._exit(3)"), "exited with code 3")):
+        with pytest.raises(ProcessFailed, match=said):
+            receive(connection, process, timeout=120)
+        connection.close()
+        process.wait(30)
+
+
+def test_the_engine_process_runs_a_comparison_whatever_the_callers_main_module(real_model, monkeypatch):
+    """Under a Streamlit test the main module is the app's script; the engine's process must not run it."""
+    import types
+
+    from kvviz.bench.sections.engine_process import receive, send, start_engine_process
+    from kvviz.engine.session import compare
+
+    script = types.ModuleType("__main__")
+    script.__file__ = str(Path(__file__).resolve().parents[1] / "app.py")
+    monkeypatch.setitem(sys.modules, "__main__", script)
+    process, connection = start_engine_process(real_model.name, "cpu", "float32", real_model.weights)
+    try:
+        assert receive(connection, process, timeout=300) > 0, "ready, with its resident bytes"
+        ids = real_model.tokenizer("The harbour was quiet that night.")["input_ids"]
+        send(connection, (ids, ["full", "window:window=4"], 2))
+        there = receive(connection, process, timeout=300)
+        here = compare(real_model, ids, ["full", "window:window=4"], 2, reuse_prefix=False)
+        assert [r.token_ids for r in there.results] == [r.token_ids for r in here.results]
+        send(connection, None)
+        assert receive(connection, process, timeout=60) > 0
+    finally:
+        connection.close()
+        process.wait(60)

@@ -2,8 +2,8 @@
 alternative an engine could take (docs/architecture.md says which was chosen and why, from these figures).
 
 Both sides run the app's comparison (its upload's length, six configurations, fresh prefills) from this process's
-main thread as a client: the thread side hands it to the model's engine here; the process side sends it down a pipe
-to a spawned process that loaded the same model and runs it there on that process's own engine, and the result
+main thread as a client: the thread side hands it to the model's engine here; the process side sends it down a
+socket to a new interpreter that loaded the same model and runs it there on that process's own engine, and the result
 comes back pickled, which is what a process of its own adds to every run. The two sides take turns, so a slow spell
 of the machine hits both; the result's pickled size, its copy time alone and the second process's resident memory
 are reported beside them.
@@ -11,11 +11,14 @@ are reported beside them.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import pickle
+import socket
+import subprocess
+import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 from kvviz.bench.browser import resident_bytes
 from kvviz.bench.harness import BenchRun, Section, bench_section, interleaved
@@ -29,15 +32,63 @@ Work = tuple[list[int], list[str], int]  # prompt ids, configurations, new token
 
 def serve_comparisons(name: str, device: str, dtype: str, weights: str, pipe: Connection) -> None:
     """The process side: load the model, say ready with this process's resident bytes, then run every comparison
-    that arrives on the model's engine and send its result back, until ``None`` arrives."""
+    that arrives on the model's engine and send its result back, until ``None`` arrives. A failure is sent back as
+    its message, so the bench reports it instead of waiting."""
     from kvviz.runtime.models import load_model
 
-    loaded = load_model(name, device=device, dtype=dtype, weights=weights)
-    pipe.send(resident_bytes(os.getpid()))
-    while (work := pipe.recv()) is not None:
-        ids, specs, new_tokens = work
-        pipe.send(compare(loaded, ids, specs, new_tokens, reuse_prefix=False))
-    pipe.send(resident_bytes(os.getpid()))
+    try:
+        loaded = load_model(name, device=device, dtype=dtype, weights=weights)
+        send(pipe, resident_bytes(os.getpid()))
+        while (work := pickle.loads(pipe.recv_bytes())) is not None:
+            ids, specs, new_tokens = work
+            send(pipe, compare(loaded, ids, specs, new_tokens, reuse_prefix=False))
+        send(pipe, resident_bytes(os.getpid()))
+    except Exception as error:  # any failure of the process side ends the section, named
+        send(pipe, ProcessFailed(f"{type(error).__name__}: {error}"))
+
+
+def send(pipe: Connection, message: object) -> None:
+    """``message`` pickled plainly, tensors copied into the bytes: multiprocessing's own pickler would hand a tensor
+    over as a shared-memory descriptor, which only a child of multiprocessing (sharing its key) may fetch."""
+    pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+class ProcessFailed(RuntimeError):
+    """The engine's process failed; its message says how."""
+
+
+def start_process(code: str, *arguments: str) -> tuple[subprocess.Popen, Connection]:
+    """A new interpreter running ``code`` (with kvviz importable, and the socket's descriptor as its first argument,
+    then ``arguments``) and this side's connection to it. A plain interpreter rather than multiprocessing's spawn:
+    spawn re-runs the caller's main module in the child, which under a Streamlit test is the app's script."""
+    here, there = socket.socketpair()
+    root = str(Path(__file__).resolve().parents[3])
+    prologue = f"import sys; sys.path.insert(0, {root!r}); from multiprocessing.connection import Connection; "
+    process = subprocess.Popen([sys.executable, "-c", prologue + code, str(there.fileno()), *arguments],
+                               pass_fds=(there.fileno(),))
+    there.close()  # the child holds its end: if it dies, this side reads the end of the stream, not a hang
+    return process, Connection(here.detach())
+
+
+def start_engine_process(name: str, device: str, dtype: str, weights: str) -> tuple[subprocess.Popen, Connection]:
+    """:func:`serve_comparisons` in a process of its own, and the connection to it."""
+    code = ("from kvviz.bench.sections.engine_process import serve_comparisons; "
+            "serve_comparisons(*sys.argv[2:], Connection(int(sys.argv[1])))")
+    return start_process(code, name, device, dtype, weights)
+
+
+def receive(pipe: Connection, process: subprocess.Popen, timeout: float = 600):
+    """The process side's next answer; raises where it failed, exited or said nothing for ``timeout`` seconds (a
+    process that died reads as the end of the stream)."""
+    if not pipe.poll(timeout):
+        raise ProcessFailed(f"the engine's process said nothing for {timeout:.0f} s")
+    try:
+        answer = pickle.loads(pipe.recv_bytes())
+    except EOFError:
+        raise ProcessFailed(f"the engine's process exited with code {process.wait(10)} before answering") from None
+    if isinstance(answer, ProcessFailed):
+        raise answer
+    return answer
 
 
 def _copy_seconds(result: Comparison, repeats: int = 5) -> tuple[int, float]:
@@ -61,31 +112,29 @@ def engine_process(run: BenchRun) -> Section:
         return section
     ids = prompt_tokens(loaded, sizes.app_prompt)
     work: Work = (ids, list(app_specs(sizes.app_prompt)), sizes.app_tokens)
-    context = multiprocessing.get_context("spawn")  # a fresh interpreter, as a server would start its engine
-    here, there = context.Pipe()
-    process = context.Process(target=serve_comparisons, daemon=True,
-                              args=(loaded.name, loaded.device, str(loaded.dtype).removeprefix("torch."),
-                                    loaded.weights, there))
-    started = time.perf_counter()
-    process.start()
+    started = time.perf_counter()  # a fresh interpreter, as a server would start its engine
+    process, here = start_engine_process(loaded.name, loaded.device, str(loaded.dtype).removeprefix("torch."),
+                                         loaded.weights)
     try:
-        ready_rss = here.recv()
+        ready_rss = receive(here, process)
         start_seconds = time.perf_counter() - started
         log(f"  a second process loaded {loaded.name} in {start_seconds:.1f} s; {len(work[1])} configurations, "
             f"{len(ids)} prompt tokens, {work[2]} new, thread and process in turns")
 
         def in_a_process() -> Comparison:
-            here.send(work)
-            return here.recv()
+            send(here, work)
+            return receive(here, process)
 
         timings = interleaved(loaded.device, {
             "thread": lambda: compare(loaded, *work, reuse_prefix=False),
             "process": in_a_process}, max(2, sizes.repeats), log)
-        here.send(None)
-        final_rss = here.recv()
+        send(here, None)
+        final_rss = receive(here, process)
     finally:
-        process.join(60)
-        if process.is_alive():
+        here.close()
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
             process.kill()
     (thread_time, thread_result), (process_time, process_result) = timings["thread"], timings["process"]
     size, copy_seconds = _copy_seconds(process_result)
