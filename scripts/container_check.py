@@ -30,6 +30,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from kvviz.bench import dom  # noqa: E402
 from kvviz.bench.browser import CHROMIUM_ARGS, chromium_path, settle  # noqa: E402
 
 IMAGE = "kvviz:cpu"
@@ -127,18 +128,23 @@ def run_container(environment: dict[str, str]) -> float:
     return wait_health("healthy", started)
 
 
-def press_compare(page) -> float:
-    """Open Compare with its defaults and press Run; seconds from the press to the result."""
-    page.goto(f"{URL}/Compare", timeout=120_000)
-    button = page.get_by_role("button", name="Run comparison")
-    button.wait_for(timeout=120_000)
+def press(page, path: str, button: str, result: str) -> float:
+    """Open ``path`` with its defaults and press its run ``button``; seconds from the press until ``result`` shows."""
+    page.goto(f"{URL}{path}", timeout=120_000)
+    run = page.get_by_role("button", name=button)
+    run.wait_for(timeout=120_000)
     settle(page, 120)
     pressed = time.monotonic()
-    button.click()
-    page.get_by_text("configurations on").wait_for(timeout=600_000)
+    run.click()
+    page.get_by_text(result).wait_for(timeout=600_000)
     seconds = time.monotonic() - pressed
     settle(page, 120)
     return seconds
+
+
+def press_compare(page) -> float:
+    """Compare with its defaults: seconds from pressing Run to the result."""
+    return press(page, "/Compare", "Run comparison", "configurations on")
 
 
 def browse(first: bool, figures: dict) -> None:
@@ -157,34 +163,27 @@ def browse(first: bool, figures: dict) -> None:
             page.get_by_text("Model card").first.wait_for(timeout=120_000)
             figures["first_page_seconds"] = round(time.monotonic() - started, 2)
             settle(page, 120)
-            figures["home_ok"] = page.locator('[data-testid="stException"]').count() == 0
+            figures["home_ok"] = page.locator(dom.EXCEPTION).count() == 0
 
             figures["compare_seconds"] = round(press_compare(page), 2)
             body = page.inner_text("body")
             shown = re.search(r"(\d+) configurations on (\d+) prompt tokens", body)
-            page.locator('[data-testid="stButtonGroup"]').get_by_text("Memory", exact=True).click()
-            page.locator(".js-plotly-plot").first.wait_for(timeout=120_000)
+            page.locator(dom.BUTTON_GROUP).get_by_text("Memory", exact=True).click()
+            page.locator(dom.PLOT).first.wait_for(timeout=120_000)
             settle(page, 120)
-            charts = page.locator(".js-plotly-plot").count()
+            charts = page.locator(dom.PLOT).count()
             page.screenshot(path=str(ARTIFACTS / "container-compare.png"), full_page=True)
             figures["compare_ok"] = bool(shown and int(shown.group(1)) >= 2 and "Outputs" in body
                                          and "full" in body and charts >= 1
-                                         and page.locator('[data-testid="stException"]').count() == 0)
+                                         and page.locator(dom.EXCEPTION).count() == 0)
             figures["compare_shown"] = shown.group(0) if shown else body[:300]
             figures["memory_charts"] = charts
 
-            page.goto(f"{URL}/Lessons?step=1", timeout=120_000)
-            button = page.get_by_role("button", name="Generate and measure")
-            button.wait_for(timeout=120_000)
-            settle(page, 120)
-            started = time.monotonic()
-            button.click()
-            page.get_by_text("Measured at the end").wait_for(timeout=600_000)
-            figures["lesson_seconds"] = round(time.monotonic() - started, 2)
-            settle(page, 120)
+            figures["lesson_seconds"] = round(press(page, "/Lessons?step=1", "Generate and measure",
+                                                    "Measured at the end"), 2)
             body = page.inner_text("body")
             figures["lesson_ok"] = ("Reference: the full cache answers" in body
-                                    and page.locator('[data-testid="stException"]').count() == 0)
+                                    and page.locator(dom.EXCEPTION).count() == 0)
         finally:
             browser.close()
 

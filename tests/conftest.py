@@ -58,16 +58,24 @@ def story_ids(real_model) -> list[int]:
     return real_model.tokenizer(text * 2)["input_ids"]
 
 
+def _need_a_browser() -> str:
+    """Debian's chromium, or skip the test: browser tests run where ``make browser`` installed it."""
+    from kvviz.bench.browser import chromium_path
+
+    chromium = chromium_path()
+    if chromium is None:
+        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
+    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    return chromium
+
+
 @pytest.fixture(scope="session")
 def served(tmp_path_factory):
     """A plain ``streamlit run app.py`` (as ``make run`` serves it) on a free port, shared by the browser tests until
     the session ends (one start instead of one per module)."""
-    from kvviz.bench.browser import chromium_path, served_app
+    from kvviz.bench.browser import served_app
 
-    if chromium_path() is None:
-        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
-    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-
+    _need_a_browser()
     with served_app(tmp_path_factory.mktemp("streamlit") / "server.log", startup=60) as app:
         yield app
 
@@ -76,3 +84,19 @@ def served(tmp_path_factory):
 def server(served) -> str:
     """The served app's address."""
     return served.url
+
+
+@pytest.fixture
+def page():
+    """A new page (1400 x 1000) in a headless chromium of its own, closed when the test ends."""
+    chromium = _need_a_browser()
+    from playwright.sync_api import sync_playwright
+
+    from kvviz.bench.browser import CHROMIUM_ARGS
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1400, "height": 1000})
+        finally:
+            browser.close()

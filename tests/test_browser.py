@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvviz.bench import browser, dom
-from kvviz.bench.browser import chromium_path
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = chromium_path() or "/usr/bin/chromium"
 SHOTS = ROOT / "docs" / "screenshots"
 SPECS = ["full", "streaming_llm:sinks=2,window=16", "kivi:residual=0"]
 
@@ -44,6 +42,15 @@ def shoot(page, name: str, anchor: str | None = None, element: str | None = None
         page.screenshot(path=str(path))
 
 
+def ready(page, url: str, button: str):
+    """Open ``url`` and wait for its run button ``button`` and the end of the script run; the button."""
+    page.goto(url, timeout=120_000)
+    run = page.get_by_role("button", name=button)
+    run.wait_for(timeout=180_000)
+    settle(page)
+    return run
+
+
 def inotify_watches(pid: int) -> int:
     """File watches the process holds (each inotify instance lists its watches in /proc/PID/fdinfo)."""
     watches = 0
@@ -55,334 +62,225 @@ def inotify_watches(pid: int) -> int:
     return watches
 
 
-def test_served_app_watches_no_files_and_deep_links_show_only_the_pages(server, served):
+def test_served_app_watches_no_files_and_deep_links_show_only_the_pages(server, served, page):
     """Serving (``make run``, the container) reads .streamlit/config.toml: no file watcher, even once a browser
     session is open (Streamlit starts watching per session; watching .venv cost about one core)."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-dev-shm-usage"])
-        page = browser.new_page()
-        page.goto(f"{server}/Memory_planner")
-        settle(page)
-        assert inotify_watches(served.pid) == 0
-        entries = page.locator(dom.SIDEBAR_NAV_LINK).all_inner_texts()
-        assert entries and "Home" in entries[0] and not any(e.strip() == "app" for e in entries), entries
-        browser.close()
+    page.goto(f"{server}/Memory_planner")
+    settle(page)
+    assert inotify_watches(served.pid) == 0
+    entries = page.locator(dom.SIDEBAR_NAV_LINK).all_inner_texts()
+    assert entries and "Home" in entries[0] and not any(e.strip() == "app" for e in entries), entries
 
 
-def test_every_page_in_chromium(server):
-    from playwright.sync_api import sync_playwright
+def test_every_page_in_chromium(server, page):
+    page.goto(server, timeout=120_000)
+    page.get_by_text("Model card").wait_for(timeout=180_000)
+    settle(page)
+    page.locator(dom.PLOT).first.wait_for(timeout=60_000)
+    no_exception(page)
+    formula = "2 * 30 layers * 3 kv_heads * 64 head_dim"  # a code block, drawn after the script ends
+    page.get_by_text(formula).first.wait_for(timeout=60_000)
+    assert formula in page.inner_text("body")
+    shoot(page, "home")
 
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(server, timeout=120_000)
-            page.get_by_text("Model card").wait_for(timeout=180_000)
-            settle(page)
-            page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)
-            no_exception(page)
-            formula = "2 * 30 layers * 3 kv_heads * 64 head_dim"  # a code block, drawn after the script ends
-            page.get_by_text(formula).first.wait_for(timeout=60_000)
-            assert formula in page.inner_text("body")
-            shoot(page, "home")
+    page.goto(f"{server}/Attention?layer=14&head=3", timeout=60_000)
+    page.get_by_text("Heavy hitters").wait_for(timeout=180_000)
+    settle(page)
+    assert page.locator(dom.PLOT).count() == 3
+    no_exception(page)
+    shoot(page, "attention")
+    shoot(page, "attention-heatmap", anchor="Layer 14, head 3")
 
-            page.goto(f"{server}/Attention?layer=14&head=3", timeout=60_000)
-            page.get_by_text("Heavy hitters").wait_for(timeout=180_000)
-            settle(page)
-            assert page.locator(".js-plotly-plot").count() == 3
-            no_exception(page)
-            shoot(page, "attention")
-            shoot(page, "attention-heatmap", anchor="Layer 14, head 3")
+    query = "&".join(f"m={spec}" for spec in SPECS)
+    ready(page, f"{server}/Compare?{query}&n=4", "Run comparison").click()
+    page.get_by_text("configurations on").wait_for(timeout=240_000)
+    settle(page)
+    body = page.inner_text("body")
+    for spec in SPECS:
+        assert spec in body
+    assert page.locator(dom.PLOT).count() == 0, "diagnostics are drawn when asked for"
+    assert "Results as CSV" in body
+    no_exception(page)
+    # the other diagnostics are a click away
+    page.locator(dom.BUTTON_GROUP).get_by_text("Kept tokens", exact=True).click()
+    page.get_by_text("of prompt tokens cached").wait_for(timeout=60_000)
+    settle(page)
+    assert page.locator(dom.PLOT).count() == 1
+    # a rerun replays the cached comparison (no model work) and must render the same way
+    page.get_by_role("slider").first.focus()
+    page.keyboard.press("ArrowRight")
+    page.get_by_text("layer 1, after step").wait_for(timeout=60_000)
+    settle(page)
+    no_exception(page)
+    shoot(page, "compare-kept", anchor="Diagnostics")
+    shoot(page, "compare", anchor="Outputs")
 
-            query = "&".join(f"m={spec}" for spec in SPECS)
-            page.goto(f"{server}/Compare?{query}&n=4", timeout=60_000)
-            page.get_by_role("button", name="Run comparison").wait_for(timeout=120_000)
-            settle(page)
-            page.get_by_role("button", name="Run comparison").click()
-            page.get_by_text("configurations on").wait_for(timeout=240_000)
-            settle(page)
-            body = page.inner_text("body")
-            for spec in SPECS:
-                assert spec in body
-            assert page.locator(".js-plotly-plot").count() == 0, "diagnostics are drawn when asked for"
-            assert "Results as CSV" in body
-            no_exception(page)
-            # the other diagnostics are a click away
-            page.locator(dom.BUTTON_GROUP).get_by_text("Kept tokens", exact=True).click()
-            page.get_by_text("of prompt tokens cached").wait_for(timeout=60_000)
-            settle(page)
-            assert page.locator(".js-plotly-plot").count() == 1
-            # a rerun replays the cached comparison (no model work) and must render the same way
-            page.get_by_role("slider").first.focus()
-            page.keyboard.press("ArrowRight")
-            page.get_by_text("layer 1, after step").wait_for(timeout=60_000)
-            settle(page)
-            no_exception(page)
-            shoot(page, "compare-kept", anchor="Diagnostics")
-            shoot(page, "compare", anchor="Outputs")
+    ready(page, f"{server}/Needle", "Run the grid")
+    no_exception(page)
+    shoot(page, "needle")
 
-            page.goto(f"{server}/Needle", timeout=60_000)
-            page.get_by_role("button", name="Run the grid").wait_for(timeout=120_000)
-            settle(page)
-            no_exception(page)
-            shoot(page, "needle")
+    page.goto(f"{server}/Memory_planner?model_config=Qwen2.5-7B&kvbits=4&evict=ratio", timeout=60_000)
+    page.get_by_text("Sequences that fit").first.wait_for(timeout=60_000)
+    settle(page)
+    assert page.locator(dom.PLOT).count() == 2
+    no_exception(page)
+    shoot(page, "planner")
 
-            page.goto(f"{server}/Memory_planner?model_config=Qwen2.5-7B&kvbits=4&evict=ratio", timeout=60_000)
-            page.get_by_text("Sequences that fit").first.wait_for(timeout=60_000)
-            settle(page)
-            assert page.locator(".js-plotly-plot").count() == 2
-            no_exception(page)
-            shoot(page, "planner")
-
-            page.goto(f"{server}/Lessons?step=3", timeout=60_000)
-            page.get_by_role("button", name="Measure the sinks").wait_for(timeout=120_000)
-            settle(page)
-            no_exception(page)
-            shoot(page, "lessons")
-        finally:
-            browser.close()
+    ready(page, f"{server}/Lessons?step=3", "Measure the sinks")
+    no_exception(page)
+    shoot(page, "lessons")
 
 
-def test_bad_uploads_get_a_message_and_the_page_keeps_working(server, tmp_path):
+def test_bad_uploads_get_a_message_and_the_page_keeps_working(server, tmp_path, page):
     """Binary and non-UTF-8 prompt files, uploaded through the real file picker."""
-    from playwright.sync_api import sync_playwright
-
     binary = tmp_path / "notes.txt"
     binary.write_bytes(b"PK\x03\x04\x00\x00binary")
     latin = tmp_path / "essay.md"
     latin.write_bytes("café au lait".encode("latin-1"))
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                             args=["--no-sandbox", "--disable-dev-shm-usage"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{server}/Compare?m=full&n=2", timeout=120_000)
-            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
-            settle(page)
-            upload = page.locator(dom.FILE_INPUT).first
-            upload.set_input_files(str(binary))
-            page.get_by_text("looks binary").wait_for(timeout=60_000)
-            settle(page)
-            no_exception(page)
-            assert page.get_by_role("button", name="Run comparison").is_disabled(), "a rejected upload runs nothing"
-            upload.set_input_files(str(latin))
-            page.get_by_text("is not UTF-8 text").wait_for(timeout=60_000)
-            settle(page)
-            no_exception(page)
-            assert page.get_by_role("button", name="Run comparison").is_visible(), "the page still works"
-            assert page.get_by_role("button", name="Run comparison").is_disabled(), "no silent fallback to the box"
-        finally:
-            browser.close()
+    run = ready(page, f"{server}/Compare?m=full&n=2", "Run comparison")
+    upload = page.locator(dom.FILE_INPUT).first
+    upload.set_input_files(str(binary))
+    page.get_by_text("looks binary").wait_for(timeout=60_000)
+    settle(page)
+    no_exception(page)
+    assert run.is_disabled(), "a rejected upload runs nothing"
+    upload.set_input_files(str(latin))
+    page.get_by_text("is not UTF-8 text").wait_for(timeout=60_000)
+    settle(page)
+    no_exception(page)
+    assert run.is_visible(), "the page still works"
+    assert run.is_disabled(), "no silent fallback to the box"
 
 
-def _browser(playwright):
-    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                      args=["--no-sandbox", "--disable-dev-shm-usage"])
-
-
-def test_the_bench_times_a_text_from_the_dom_change_that_shows_it():
+def test_the_bench_times_a_text_from_the_dom_change_that_shows_it(page):
     """The app section's clock for "results shown": the page's time of the change that drew the text, found without
     polling the page (the bench's waits shared the model's two cores); already shown means now, never shown fails."""
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (make browser, or apt-get install chromium)")
-    from playwright.sync_api import Error, sync_playwright
+    from playwright.sync_api import Error
 
-    with sync_playwright() as playwright:
-        chromium = _browser(playwright)
-        try:
-            page = chromium.new_page()
-            page.set_content("<p>waiting</p><script>setTimeout(() => { const line = document.createElement('p');"
-                             " line.textContent = '6 configurations on ' + 2025 + ' prompt tokens';"
-                             " document.body.append(line);"
-                             " window.drawnAt = performance.now(); }, 400)</script>")
-            started = page.evaluate("() => performance.now()")
-            shown = browser.text_shown(page, "on 2025 prompt tokens", timeout=10)
-            assert shown == pytest.approx(page.evaluate("() => window.drawnAt"), abs=20) and shown - started >= 350
-            assert browser.text_shown(page, "waiting", timeout=1) >= shown, "a text already there counts from now"
-            with pytest.raises(Error, match="not shown within 300 ms"):
-                browser.text_shown(page, "on 4096 prompt tokens", timeout=0.3)
-        finally:
-            chromium.close()
+    page.set_content("<p>waiting</p><script>setTimeout(() => { const line = document.createElement('p');"
+                     " line.textContent = '6 configurations on ' + 2025 + ' prompt tokens';"
+                     " document.body.append(line);"
+                     " window.drawnAt = performance.now(); }, 400)</script>")
+    started = page.evaluate("() => performance.now()")
+    shown = browser.text_shown(page, "on 2025 prompt tokens", timeout=10)
+    assert shown == pytest.approx(page.evaluate("() => window.drawnAt"), abs=20) and shown - started >= 350
+    assert browser.text_shown(page, "waiting", timeout=1) >= shown, "a text already there counts from now"
+    with pytest.raises(Error, match="not shown within 300 ms"):
+        browser.text_shown(page, "on 4096 prompt tokens", timeout=0.3)
 
 
-def test_compare_defaults_evict_quantize_and_depart_from_full(server):
-    from playwright.sync_api import sync_playwright
+def test_compare_defaults_evict_quantize_and_depart_from_full(server, page):
+    run = ready(page, f"{server}/Compare", "Run comparison")  # the default configurations and prompt
+    assert page.get_by_role("textbox", name="Prompt").input_value().startswith("Every autumn")
+    run.click()
+    page.locator(dom.PROGRESS).wait_for(timeout=60_000)
+    assert page.locator(dom.STATUS_WIDGET).count() == 0, "no header, no animated icon"
+    page.get_by_text("configurations on").wait_for(timeout=600_000)
+    settle(page)
+    no_exception(page)
+    assert page.locator(dom.ERROR).count() == 0, "every default method ran"
+    body = page.inner_text("body")
+    assert "Ines" in page.locator(dom.HTML).first.inner_text(), "full's answer is right"
+    divergences = body.count("first divergence none")
+    assert body.count("agreement with full") - divergences >= 1, "at least one output departs from full"
+    shoot(page, "compare-defaults", anchor="Outputs")
+    page.locator(dom.BUTTON_GROUP).get_by_text("Kept tokens", exact=True).click()
+    page.get_by_text("of prompt tokens cached").wait_for(timeout=60_000)
+    assert "Nothing was evicted" not in page.inner_text("body")
 
-    with sync_playwright() as playwright:
-        browser = _browser(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{server}/Compare", timeout=120_000)  # the default configurations and prompt
-            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
-            settle(page)
-            assert page.get_by_role("textbox", name="Prompt").input_value().startswith("Every autumn")
-            page.get_by_role("button", name="Run comparison").click()
-            page.locator(dom.PROGRESS).wait_for(timeout=60_000)
-            assert page.locator(dom.STATUS_WIDGET).count() == 0, "no header, no animated icon"
-            page.get_by_text("configurations on").wait_for(timeout=600_000)
-            settle(page)
-            no_exception(page)
-            assert page.locator(dom.ERROR).count() == 0, "every default method ran"
-            body = page.inner_text("body")
-            assert "Ines" in page.locator(dom.HTML).first.inner_text(), "full's answer is right"
-            divergences = body.count("first divergence none")
-            assert body.count("agreement with full") - divergences >= 1, "at least one output departs from full"
-            shoot(page, "compare-defaults", anchor="Outputs")
-            page.locator(dom.BUTTON_GROUP).get_by_text("Kept tokens", exact=True).click()
-            page.get_by_text("of prompt tokens cached").wait_for(timeout=60_000)
-            assert "Nothing was evicted" not in page.inner_text("body")
-
-            page.goto(f"{server}/Compare?m=full&n=200", timeout=120_000)  # a longer run, cancelled while it runs
-            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
-            settle(page)
-            page.get_by_role("button", name="Run comparison").click()
-            page.get_by_role("button", name="Cancel run").click(timeout=60_000)
-            page.get_by_text("Run cancelled.").wait_for(timeout=60_000)
-            assert page.get_by_text("configurations on").count() == 0 and "press Run comparison" in page.inner_text(
-                "body"), "the cancelled run shows nothing and is not asked for again"
-        finally:
-            browser.close()
+    ready(page, f"{server}/Compare?m=full&n=200", "Run comparison").click()  # a longer run, cancelled
+    page.get_by_role("button", name="Cancel run").click(timeout=60_000)
+    page.get_by_text("Run cancelled.").wait_for(timeout=60_000)
+    assert page.get_by_text("configurations on").count() == 0 and "press Run comparison" in page.inner_text(
+        "body"), "the cancelled run shows nothing and is not asked for again"
 
 
-def test_long_upload_is_cut_in_the_middle_without_an_error(server, tmp_path):
-    from playwright.sync_api import sync_playwright
-
+def test_long_upload_is_cut_in_the_middle_without_an_error(server, tmp_path, page):
     long_file = tmp_path / "play.txt"
     long_file.write_text("ACT ONE. The storm rolled over the harbour. " + "The sailors ran. " * 2500
                          + "\n\nQuestion: what rolled over the harbour?")
-    with sync_playwright() as playwright:
-        browser = _browser(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{server}/Compare?m=full&n=2", timeout=120_000)
-            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
-            settle(page)
-            page.locator(dom.FILE_INPUT).first.set_input_files(str(long_file))
-            page.get_by_text("Cut the middle to fit").wait_for(timeout=120_000)
-            settle(page)
-            assert page.locator(dom.ERROR).count() == 1
-            page.get_by_text("Cut the middle to fit").click()
-            page.get_by_text("from the middle of the document").wait_for(timeout=120_000)
-            settle(page)
-            no_exception(page)
-            assert page.locator(dom.ERROR).count() == 0, "no error once accepted"
-            assert page.get_by_role("button", name="Run comparison").is_enabled()
-        finally:
-            browser.close()
+    run = ready(page, f"{server}/Compare?m=full&n=2", "Run comparison")
+    page.locator(dom.FILE_INPUT).first.set_input_files(str(long_file))
+    page.get_by_text("Cut the middle to fit").wait_for(timeout=120_000)
+    settle(page)
+    assert page.locator(dom.ERROR).count() == 1
+    page.get_by_text("Cut the middle to fit").click()
+    page.get_by_text("from the middle of the document").wait_for(timeout=120_000)
+    settle(page)
+    no_exception(page)
+    assert page.locator(dom.ERROR).count() == 0, "no error once accepted"
+    assert run.is_enabled()
 
 
-def test_planner_at_128k_and_the_llama_13b_numbers(server):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = _browser(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{server}/Memory_planner?model_config=Llama-3.1-70B&context=131072&batch=1",
-                      timeout=120_000)
-            page.get_by_text("KV per sequence (131,072 tokens)").wait_for(timeout=120_000)
-            settle(page)
-            no_exception(page)
-            assert "42.95 GB" in page.inner_text("body"), "a 128K context pins tens of GB per sequence"
-            ticks = page.locator(".js-plotly-plot .ytick text").all_text_contents()
-            assert ticks and not any("e+" in t or len(t) > 8 for t in ticks), ticks
-            shoot(page, "planner-128k")
-            page.goto(f"{server}/Memory_planner?model_config=LLaMA-13B&context=2048&batch=1", timeout=120_000)
-            page.get_by_text("KV per sequence (2,048 tokens)").wait_for(timeout=120_000)
-            settle(page)
-            body = page.inner_text("body")
-            assert "0.82 MB" in body and "1.68 GB" in body
-        finally:
-            browser.close()
+def test_planner_at_128k_and_the_llama_13b_numbers(server, page):
+    page.goto(f"{server}/Memory_planner?model_config=Llama-3.1-70B&context=131072&batch=1", timeout=120_000)
+    page.get_by_text("KV per sequence (131,072 tokens)").wait_for(timeout=120_000)
+    settle(page)
+    no_exception(page)
+    assert "42.95 GB" in page.inner_text("body"), "a 128K context pins tens of GB per sequence"
+    ticks = page.locator(f"{dom.PLOT} .ytick text").all_text_contents()
+    assert ticks and not any("e+" in t or len(t) > 8 for t in ticks), ticks
+    shoot(page, "planner-128k")
+    page.goto(f"{server}/Memory_planner?model_config=LLaMA-13B&context=2048&batch=1", timeout=120_000)
+    page.get_by_text("KV per sequence (2,048 tokens)").wait_for(timeout=120_000)
+    settle(page)
+    body = page.inner_text("body")
+    assert "0.82 MB" in body and "1.68 GB" in body
 
 
-def test_lesson_steps_show_a_correct_reference(server):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = _browser(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            for step, button in ((1, "Generate and measure"), (2, "Compare the levers"), (3, "Measure the sinks"),
-                                 (5, "Hide the needle")):
-                page.goto(f"{server}/Lessons?step={step}", timeout=120_000)
-                page.get_by_role("button", name=button).wait_for(timeout=180_000)
-                settle(page)
-                page.get_by_role("button", name=button).click()
-                page.get_by_text("Reference: the full cache answers").wait_for(timeout=600_000)
-                settle(page)
-                no_exception(page)
-                shoot(page, f"lessons-step{step}")
-        finally:
-            browser.close()
+def test_lesson_steps_show_a_correct_reference(server, page):
+    for step, button in ((1, "Generate and measure"), (2, "Compare the levers"), (3, "Measure the sinks"),
+                         (5, "Hide the needle")):
+        ready(page, f"{server}/Lessons?step={step}", button).click()
+        page.get_by_text("Reference: the full cache answers").wait_for(timeout=600_000)
+        settle(page)
+        no_exception(page)
+        shoot(page, f"lessons-step{step}")
 
 
-def test_bad_links_say_what_they_changed_and_run_nothing(server):
+def test_bad_links_say_what_they_changed_and_run_nothing(server, page):
     """The issue's links, as a new user would paste them: a notice or the SPEC's error for each, no exception."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = _browser(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 2000})  # the configurations' errors in view
-        try:
-            page.goto(f"{server}/Compare?n=-3&m=nope&m=full&m=%3Cimg%20src%3Dx%3E&ctx=1", timeout=120_000)
-            page.get_by_role("button", name="Run comparison").wait_for(timeout=180_000)
-            settle(page)
-            no_exception(page)
-            body = page.inner_text("body")
-            assert "n=-3 is below 1, the least allowed; using 1." in body
-            assert "unknown method 'nope'; valid:" in body and "unknown method '<img src=x>'" in body
-            assert "This page has no setting ctx=1" in body
-            assert page.locator("img[src=x]").count() == 0, "markup from a link is shown, never rendered"
-            assert page.get_by_role("button", name="Run comparison").is_disabled()
-            shoot(page, "compare-bad-link")
-            for link, said in (("Attention?layer=999&head=-1", "layer=999 is over 29"),
-                               ("Needle?len=abc&len=999999", "len=abc, len=999999 are not among"),
-                               ("Tail_risk?task=nope", "task=nope is not among"),
-                               ("Memory_planner?model=nope&ctx=-1", "model=nope is neither"),
-                               ("?model=%2Fetc", "model=/etc is neither")):
-                page.goto(f"{server}/{link}", timeout=120_000)
-                page.get_by_text(said).first.wait_for(timeout=180_000)
-                settle(page)
-                no_exception(page)
-        finally:
-            browser.close()
+    page.set_viewport_size({"width": 1400, "height": 2000})  # the configurations' errors in view
+    run = ready(page, f"{server}/Compare?n=-3&m=nope&m=full&m=%3Cimg%20src%3Dx%3E&ctx=1", "Run comparison")
+    no_exception(page)
+    body = page.inner_text("body")
+    assert "n=-3 is below 1, the least allowed; using 1." in body
+    assert "unknown method 'nope'; valid:" in body and "unknown method '<img src=x>'" in body
+    assert "This page has no setting ctx=1" in body
+    assert page.locator("img[src=x]").count() == 0, "markup from a link is shown, never rendered"
+    assert run.is_disabled()
+    shoot(page, "compare-bad-link")
+    for link, said in (("Attention?layer=999&head=-1", "layer=999 is over 29"),
+                       ("Needle?len=abc&len=999999", "len=abc, len=999999 are not among"),
+                       ("Tail_risk?task=nope", "task=nope is not among"),
+                       ("Memory_planner?model=nope&ctx=-1", "model=nope is neither"),
+                       ("?model=%2Fetc", "model=/etc is neither")):
+        page.goto(f"{server}/{link}", timeout=120_000)
+        page.get_by_text(said).first.wait_for(timeout=180_000)
+        settle(page)
+        no_exception(page)
 
 
-def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server):
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = _browser(playwright)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(f"{server}/Trade_offs", timeout=120_000)  # three families on 32 multikey items of 256 tokens
-            page.get_by_role("button", name="Run the sweep").wait_for(timeout=180_000)
-            settle(page)
-            page.get_by_role("button", name="Run the sweep").click()
-            page.locator(dom.RUNNING).wait_for(timeout=60_000)
-            page.wait_for_timeout(700)  # the still label shows once a run has lasted half a second
-            label = page.locator(dom.APP).evaluate(
-                "app => [getComputedStyle(app, '::after').content, getComputedStyle(app, '::after').visibility]")
-            assert label == ['"Running…"', "visible"], label
-            assert page.locator(dom.STATUS_WIDGET).count() == 0, "no header, no animated icon"
-            page.get_by_text("configurations on 32 multikey items").wait_for(timeout=600_000)
-            settle(page)
-            no_exception(page)
-            body = page.inner_text("body")
-            assert "Before you run." in body and "takes at least 73 items" in body, "the plan, on screen"
-            assert "The full cache is right on" in body and "of 32 items" in body, "full's real accuracy"
-            assert "Newcombe" in body and "McNemar" in body and "Holm" in body, "the rules the verdicts read"
-            assert "indistinguishable" not in body and ("within_margin" in body or "inconclusive" in body)
-            page.locator(".js-plotly-plot").first.wait_for(timeout=60_000)  # plotly draws after the script ends
-            assert page.locator(".js-plotly-plot").count() == 4, "the trade-off chart and each family's item grid"
-            chart = page.locator(".js-plotly-plot").first.inner_text()
-            assert "frontier" in chart and "full's 95% interval" in chart
-            shoot(page, "tradeoffs", element=".js-plotly-plot")
-            shoot(page, "tradeoffs-items", anchor="Every item, every budget")
-        finally:
-            browser.close()
+def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server, page):
+    # three families on 32 multikey items of 256 tokens
+    ready(page, f"{server}/Trade_offs", "Run the sweep").click()
+    page.locator(dom.RUNNING).wait_for(timeout=60_000)
+    page.wait_for_timeout(700)  # the still label shows once a run has lasted half a second
+    label = page.locator(dom.APP).evaluate(
+        "app => [getComputedStyle(app, '::after').content, getComputedStyle(app, '::after').visibility]")
+    assert label == ['"Running…"', "visible"], label
+    assert page.locator(dom.STATUS_WIDGET).count() == 0, "no header, no animated icon"
+    page.get_by_text("configurations on 32 multikey items").wait_for(timeout=600_000)
+    settle(page)
+    no_exception(page)
+    body = page.inner_text("body")
+    assert "Before you run." in body and "takes at least 73 items" in body, "the plan, on screen"
+    assert "The full cache is right on" in body and "of 32 items" in body, "full's real accuracy"
+    assert "Newcombe" in body and "McNemar" in body and "Holm" in body, "the rules the verdicts read"
+    assert "indistinguishable" not in body and ("within_margin" in body or "inconclusive" in body)
+    page.locator(dom.PLOT).first.wait_for(timeout=60_000)  # plotly draws after the script ends
+    assert page.locator(dom.PLOT).count() == 4, "the trade-off chart and each family's item grid"
+    chart = page.locator(dom.PLOT).first.inner_text()
+    assert "frontier" in chart and "full's 95% interval" in chart
+    shoot(page, "tradeoffs", element=dom.PLOT)
+    shoot(page, "tradeoffs-items", anchor="Every item, every budget")

@@ -1,8 +1,9 @@
 """Streamlit's DOM, as the bench and the browser tests find things in a served page: one selector per thing, here only.
 
 Streamlit names its elements with ``data-testid`` attributes (what its own browser tests read); they change between
-Streamlit versions, so a rename is fixed here once for the bench (:mod:`kvviz.bench.browser`, the ``app`` section)
-and tests/test_browser.py alike.
+Streamlit versions, so a rename is fixed here once for the bench (:mod:`kvviz.bench.browser`, the ``app`` section),
+the browser tests and the container check (scripts/container_check.py) alike; tests/test_bench.py fails where a
+selector is written anywhere else.
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ PRIMARY_BUTTON = testid("stBaseButton-primary")  # a run button (type="primary")
 EXCEPTION = testid("stException")  # a traceback box: the page raised
 ERROR = testid("stAlertContentError")  # st.error's text
 RADIO = testid("stRadio")
+SELECTBOX = testid("stSelectbox")
 BUTTON_GROUP = testid("stButtonGroup")  # st.segmented_control / st.pills
 PROGRESS = testid("stProgress")
 STATUS_WIDGET = testid("stStatusWidget")  # the header's running indicator (hidden in kvviz's config)
 HTML = testid("stHtml")  # st.html's output
 SIDEBAR_NAV_LINK = testid("stSidebarNavLink")  # one page in the navigation menu
+PLOT = ".js-plotly-plot"  # a Plotly chart (plotly.js marks its root with this class, not a testid)
