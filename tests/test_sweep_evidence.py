@@ -117,3 +117,18 @@ def test_the_server_limit_on_items_is_named():
         check_sweep(["snapkv"], [0.25], TaskWorkload("needle", 256, 200), max_items=128)
     check_sweep(["snapkv"], [0.25], TaskWorkload("needle", 256, 200))  # the CLI has no server limit
     assert answer_found("Ines", "The winner is  INES.") and not answer_found("Paris", "Lyon")
+
+
+def test_the_frontier_is_found_again_on_the_memory_a_serving_layout_would_hold():
+    """Counted, f:4 holds half of f:2's bytes and loses 15 of 40 items: both are on the frontier. A paged layout that
+    frees nothing of f:4's blocks holds more for it than for f:2, which is significantly better: f:4 falls off."""
+    from kvviz.studies.verdicts import frontier_in
+
+    right = [True] * 30 + [False] * 10
+    report = judged_report(_task_report({"full": (1.0, right), "f:2": (2.0, right),
+                                         "f:4": (4.0, [False] * 15 + right[15:])}), 5, 0.9)
+    paged = {"full": 1000, "f:2": 600, "f:4": 990}
+    for point in report.points:
+        point.layout_bytes = {"paged_shared": paged[point.spec]}
+    assert frontier_in(report, "accuracy") == report.frontiers["accuracy"] == ["full", "f:2", "f:4"]
+    assert frontier_in(report, "accuracy", "paged_shared") == ["full", "f:2"]

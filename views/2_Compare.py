@@ -248,11 +248,14 @@ def results_section(loaded: LoadedModel, asked: CompareRequest | None, ready: bo
     diagnostics_section(loaded, comparison)
 
     st.subheader("Download")
+    block_size = read_choice("block", DEFAULT_BLOCK_SIZE, BLOCK_SIZES, int).value  # the Memory view's, via the link
     left, right = st.columns(2)
     left.download_button("Results as CSV", lambda: table.to_csv(index=False), "kvviz-compare.csv", "text/csv",
                          on_click="ignore")
-    right.download_button("Results as JSON", lambda: json.dumps(comparison.to_json(), indent=1), "kvviz-compare.json",
-                          "application/json", on_click="ignore")
+    right.download_button("Results as JSON", lambda: json.dumps(comparison.to_json(block_size=block_size), indent=1),
+                          "kvviz-compare.json", "application/json", on_click="ignore",
+                          help=f"Every result, its eviction ledger and its serving layouts at blocks of {block_size} "
+                               "token slots (the Memory diagnostic's block size).")
 
 
 results_section(loaded, asked, grid.ready)

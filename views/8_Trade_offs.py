@@ -15,7 +15,7 @@ from kvviz.studies.perplexity import play_names
 from kvviz.studies.power import plan
 from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, check_sweep, read_family
 from kvviz.studies.tail_items import NEW_TOKENS
-from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, judged_report
+from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, frontier_in, judged_report
 from kvviz.studies.workloads import DEFAULT_ITEMS, SWEEP_TASKS, PromptWorkload, TaskWorkload, TextWorkload
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
@@ -203,15 +203,16 @@ if any(p.layout_bytes for p in report.points):  # a play's streaming perplexity 
                                  f"hold for the same kept tokens, in blocks of {report.block_size} token slots.")
     share_settings(x=layout)
     st.caption(f"{LABELS[layout].capitalize()}: {MEANINGS[layout]}."
-               + ("" if layout == "counted" else " Each point and its cliff move to what this layout would hold; "
-                  "the verdicts and the frontier are read on counted bytes, so the frontier is not drawn."))
+               + ("" if layout == "counted" else " Each point and its cliff move to what this layout would hold, "
+                  "and the frontier is found again on these bytes; the verdicts against full do not depend on "
+                  "memory."))
 st.plotly_chart(plots.tradeoff_figure(report, measure, layout), width="stretch")
 
 prompt, prompt_chat = st.session_state.get("sweep_prompt", (None, True))
 on_items = isinstance(request.workload, TaskWorkload)
 compare_tokens = NEW_TOKENS[request.workload.task] if on_items else getattr(request.workload, "max_new_tokens", 24)
 table = report.to_frame()
-table["frontier"] = table["spec"].isin(report.frontiers[measure])
+table["frontier"] = table["spec"].isin(frontier_in(report, measure, layout))  # on the x-axis's memory
 table["open"] = [item_link(spec, report.items[0]["id"], request.workload.seed, compare_tokens) if on_items
                  else compare_link(spec, prompt, prompt_chat, compare_tokens) for spec in table["spec"]]
 for key in ("accuracy_ci", "agreement_ci", "tail_ci"):

@@ -98,11 +98,19 @@ def significantly_better(ours: list, theirs: list, measure: Measure, groups: lis
     return interval is not None and interval[0] > 0
 
 
-def frontier_flags(points: Sequence, measure: Measure, threshold: float, groups: list[str] | None) -> list[bool]:
-    """Which points are on ``measure``'s frontier (:func:`kvviz.studies.frontier.on_frontier`), dominance read from
-    paired comparisons where the measure has items, from point estimates where it has none."""
+def held_bytes(point, layout: str = "counted") -> float | None:
+    """A point's memory: the bytes kvviz counts, or what serving ``layout`` would hold for the same kept tokens
+    (:mod:`kvviz.cache.layouts`; None where the point has no ledger to lay out)."""
+    return point.kv_bytes if layout == "counted" else (point.layout_bytes or {}).get(layout)
+
+
+def frontier_flags(points: Sequence, measure: Measure, threshold: float, groups: list[str] | None,
+                   layout: str = "counted") -> list[bool]:
+    """Which points are on ``measure``'s frontier (:func:`kvviz.studies.frontier.on_frontier`) with memory counted
+    in ``layout``, dominance read from paired comparisons where the measure has items, from point estimates where it
+    has none."""
     values = [getattr(p, measure.key) for p in points]
-    pairs = [(p.kv_bytes, v) for p, v in zip(points, values, strict=True)]
+    pairs = [(held_bytes(p, layout), v) for p, v in zip(points, values, strict=True)]
     items = [item_values(p, measure, threshold) for p in points]
     if any(v is not None and i is None for v, i in zip(values, items, strict=True)):
         return on_frontier(pairs, measure)  # no items to pair (one play's perplexity): point estimates
@@ -112,6 +120,16 @@ def frontier_flags(points: Sequence, measure: Measure, threshold: float, groups:
         return measure.better(values[i], values[j]) and significantly_better(items[i], items[j], measure, groups)
 
     return on_frontier(pairs, measure, beats)
+
+
+def frontier_in(report, measure_key: str, layout: str = "counted") -> list[str]:
+    """The SPECs on ``measure_key``'s frontier of a judged sweep with memory counted in ``layout``: a layout that
+    rounds kept tokens up to whole blocks can make a cheaper-looking point hold more than a pricier one, and then
+    the frontier moves. Counted bytes are the report's own frontier."""
+    if layout == "counted":
+        return report.frontiers.get(measure_key, [])
+    flags = frontier_flags(report.points, MEASURES[measure_key], report.tail_threshold, report.groups, layout)
+    return [point.spec for point, flag in zip(report.points, flags, strict=True) if flag]
 
 
 @dataclass(frozen=True)

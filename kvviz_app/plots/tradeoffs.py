@@ -13,7 +13,7 @@ from kvviz.cache.layouts import LABELS, compression_in
 from kvviz.studies.frontier import MEASURES
 from kvviz.studies.paired import INCONCLUSIVE, WITHIN, WORSE
 from kvviz.studies.sweep import SweepPoint, SweepReport
-from kvviz.studies.verdicts import family_cliffs
+from kvviz.studies.verdicts import family_cliffs, frontier_in
 
 OUTCOME_COLORS = {"both_right": "#2e7d32", "evicted": "#c62828", "quantization": "#ef6c00",
                   "not evicted": "#6a1b9a", "gained": "#1565c0", "both_wrong": "#9e9e9e"}
@@ -43,11 +43,10 @@ def x_of(point: SweepPoint, full: SweepPoint | None, layout: str) -> float | Non
 
 def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counted") -> go.Figure:
     """Quality (``measure_key``) against how many times smaller than full (in ``layout``'s bytes: :func:`x_of`),
-    log scale, one line per family. Points
-    carry their 95% interval as error bars and their verdict against full on that measure as the marker (filled:
-    proven within the margin; open: inconclusive; x: worse); a star marks each family's cliff; full is a diamond
-    with its interval as a grey band; the frontier is drawn under the lines. For a prompt set, each family's worst
-    prompt is a dotted line under its mean."""
+    log scale, one line per family. Points carry their 95% interval as error bars and their verdict against full on
+    that measure as the marker (filled: proven within the margin; open: inconclusive; x: worse); a star marks each
+    family's cliff; full is a diamond with its interval as a grey band; the frontier, found on the memory the x-axis
+    counts, is drawn under the lines. For a prompt set, each family's worst prompt is a dotted line under its mean."""
     measure = MEASURES[measure_key]
     reference = next((p for p in report.points if p.spec == "full"), None)
     x = {p.spec: x_of(p, reference, layout) for p in report.points if p.error is None}
@@ -62,9 +61,8 @@ def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counte
         low, high = getattr(full, interval)
         figure.add_hrect(y0=low, y1=high, fillcolor="rgba(120, 120, 120, 0.15)", line_width=0,
                          annotation_text="full's 95% interval", annotation_position="bottom left")
-    # the frontier is found on counted bytes: in another layout's coordinates it is no frontier, so it is not drawn
-    frontier = sorted((p for p in points if p.spec in report.frontiers.get(measure_key, []) and layout == "counted"),
-                      key=lambda p: x[p.spec])
+    on_frontier = set(frontier_in(report, measure_key, layout))  # found on the memory the x-axis counts
+    frontier = sorted((p for p in points if p.spec in on_frontier), key=lambda p: x[p.spec])
     figure.add_trace(go.Scatter(x=[x[p.spec] for p in frontier], y=[getattr(p, measure_key) for p in frontier],
                                 name="frontier", mode="lines", hoverinfo="skip",  # first: under the families' lines
                                 line={"color": "rgba(0, 0, 0, 0.18)", "width": 10}))
