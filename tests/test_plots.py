@@ -145,5 +145,8 @@ def test_switching_the_tradeoff_x_axis_to_a_layout_moves_a_family_s_curve():
     moved = next(t for t in paged.data if t.name == "snapkv")
     assert list(family.x) == [4.0, 2.0] and list(moved.x) == [1.024, 1.0]
     assert "paged, shared blocks" in paged.layout.xaxis.title.text
-    frontier = [t for t in paged.data if t.name == "frontier"]
-    assert not frontier or not list(frontier[0].x), "the counted frontier is not drawn in another layout"
+    line = next(t for t in paged.data if t.name == "frontier")
+    # found again on the paged bytes: budget 0.25 now holds less than full, budget 0.5 as much as full for less
+    assert list(line.x) == [1.0, 1.024] and list(line.y) == [1.0, 0.975]
+    passed = plots.tradeoff_figure(report, "agreement_with_full", "paged_shared", frontier=["full"])
+    assert list(next(t for t in passed.data if t.name == "frontier").x) == [1.0], "a frontier passed in is drawn"

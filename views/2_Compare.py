@@ -84,13 +84,14 @@ asked = None if ids is None else CompareRequest(tuple(ids), tuple(valid), int(ma
 
 DIAGNOSTICS = ("Memory", "Divergence", "Quantization error", "Kept tokens")
 NO_DIAGNOSTIC = "none"
+BLOCK_CHOICE = {"name": "block", "options": BLOCK_SIZES, "default": DEFAULT_BLOCK_SIZE, "cast": int}  # link's `block`
 
 
 def layouts_view(comparison: Comparison) -> None:
     """What a serving engine's layouts would hold for the tokens each configuration kept, next to what kvviz counts."""
     st.markdown("**What a serving engine would free**")
-    block_size = choice_setting("Block size (token slots per block)", "block", BLOCK_SIZES, DEFAULT_BLOCK_SIZE,
-                                key="compare_block", cast=int, help="vLLM's default is 16.")
+    block_size = choice_setting("Block size (token slots per block)", **BLOCK_CHOICE, key="compare_block",
+                                help="vLLM's default is 16.")
     share_settings(block=block_size)
     held = comparison.layouts(block_size)
     full = held.get("full")
@@ -248,7 +249,7 @@ def results_section(loaded: LoadedModel, asked: CompareRequest | None, ready: bo
     diagnostics_section(loaded, comparison)
 
     st.subheader("Download")
-    block_size = read_choice("block", DEFAULT_BLOCK_SIZE, BLOCK_SIZES, int).value  # the Memory view's, via the link
+    block_size = read_choice(**BLOCK_CHOICE).value  # the Memory view's, via the link (shown or not)
     left, right = st.columns(2)
     left.download_button("Results as CSV", lambda: table.to_csv(index=False), "kvviz-compare.csv", "text/csv",
                          on_click="ignore")

@@ -206,13 +206,14 @@ if any(p.layout_bytes for p in report.points):  # a play's streaming perplexity 
                + ("" if layout == "counted" else " Each point and its cliff move to what this layout would hold, "
                   "and the frontier is found again on these bytes; the verdicts against full do not depend on "
                   "memory."))
-st.plotly_chart(plots.tradeoff_figure(report, measure, layout), width="stretch")
+frontier = frontier_in(report, measure, layout)  # found on the memory the x-axis counts
+st.plotly_chart(plots.tradeoff_figure(report, measure, layout, frontier), width="stretch")
 
 prompt, prompt_chat = st.session_state.get("sweep_prompt", (None, True))
 on_items = isinstance(request.workload, TaskWorkload)
 compare_tokens = NEW_TOKENS[request.workload.task] if on_items else getattr(request.workload, "max_new_tokens", 24)
 table = report.to_frame()
-table["frontier"] = table["spec"].isin(frontier_in(report, measure, layout))  # on the x-axis's memory
+table["frontier"] = table["spec"].isin(frontier)
 table["open"] = [item_link(spec, report.items[0]["id"], request.workload.seed, compare_tokens) if on_items
                  else compare_link(spec, prompt, prompt_chat, compare_tokens) for spec in table["spec"]]
 for key in ("accuracy_ci", "agreement_ci", "tail_ci"):

@@ -41,12 +41,14 @@ def x_of(point: SweepPoint, full: SweepPoint | None, layout: str) -> float | Non
     return compression_in(layout, point.layout_bytes, None if full is None else full.layout_bytes)
 
 
-def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counted") -> go.Figure:
+def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counted",
+                    frontier: list[str] | None = None) -> go.Figure:
     """Quality (``measure_key``) against how many times smaller than full (in ``layout``'s bytes: :func:`x_of`),
     log scale, one line per family. Points carry their 95% interval as error bars and their verdict against full on
     that measure as the marker (filled: proven within the margin; open: inconclusive; x: worse); a star marks each
     family's cliff; full is a diamond with its interval as a grey band; the frontier, found on the memory the x-axis
-    counts, is drawn under the lines. For a prompt set, each family's worst prompt is a dotted line under its mean."""
+    counts (``frontier``: its SPECs, when the caller has found them already), is drawn under the lines. For a
+    prompt set, each family's worst prompt is a dotted line under its mean."""
     measure = MEASURES[measure_key]
     reference = next((p for p in report.points if p.spec == "full"), None)
     x = {p.spec: x_of(p, reference, layout) for p in report.points if p.error is None}
@@ -61,9 +63,9 @@ def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counte
         low, high = getattr(full, interval)
         figure.add_hrect(y0=low, y1=high, fillcolor="rgba(120, 120, 120, 0.15)", line_width=0,
                          annotation_text="full's 95% interval", annotation_position="bottom left")
-    on_frontier = set(frontier_in(report, measure_key, layout))  # found on the memory the x-axis counts
-    frontier = sorted((p for p in points if p.spec in on_frontier), key=lambda p: x[p.spec])
-    figure.add_trace(go.Scatter(x=[x[p.spec] for p in frontier], y=[getattr(p, measure_key) for p in frontier],
+    on_frontier = set(frontier_in(report, measure_key, layout) if frontier is None else frontier)
+    line = sorted((p for p in points if p.spec in on_frontier), key=lambda p: x[p.spec])
+    figure.add_trace(go.Scatter(x=[x[p.spec] for p in line], y=[getattr(p, measure_key) for p in line],
                                 name="frontier", mode="lines", hoverinfo="skip",  # first: under the families' lines
                                 line={"color": "rgba(0, 0, 0, 0.18)", "width": 10}))
     cliffs = {c.spec for c in family_cliffs(report, measure_key).values() if c is not None and c.spec}

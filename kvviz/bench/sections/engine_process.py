@@ -39,7 +39,7 @@ def serve_comparisons(name: str, device: str, dtype: str, weights: str, pipe: Co
     try:
         loaded = load_model(name, device=device, dtype=dtype, weights=weights)
         send(pipe, resident_bytes(os.getpid()))
-        while (work := pickle.loads(pipe.recv_bytes())) is not None:
+        while (work := read(pipe)) is not None:
             ids, specs, new_tokens = work
             send(pipe, compare(loaded, ids, specs, new_tokens, reuse_prefix=False))
         send(pipe, resident_bytes(os.getpid()))
@@ -51,6 +51,11 @@ def send(pipe: Connection, message: object) -> None:
     """``message`` pickled plainly, tensors copied into the bytes: multiprocessing's own pickler would hand a tensor
     over as a shared-memory descriptor, which only a child of multiprocessing (sharing its key) may fetch."""
     pipe.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def read(pipe: Connection) -> object:
+    """The next message :func:`send` wrote on the other side (EOFError where that side has closed)."""
+    return pickle.loads(pipe.recv_bytes())
 
 
 class ProcessFailed(RuntimeError):
@@ -83,7 +88,7 @@ def receive(pipe: Connection, process: subprocess.Popen, timeout: float = 600):
     if not pipe.poll(timeout):
         raise ProcessFailed(f"the engine's process said nothing for {timeout:.0f} s")
     try:
-        answer = pickle.loads(pipe.recv_bytes())
+        answer = read(pipe)
     except EOFError:
         raise ProcessFailed(f"the engine's process exited with code {process.wait(10)} before answering") from None
     if isinstance(answer, ProcessFailed):
