@@ -34,6 +34,9 @@ def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
     lost = failures[failures["outcome"] != "gained"]
     assert (lost["outcome"] == "evicted").all(), "a window of 1/8 loses the key wherever it is not recent"
     assert [b.label for b in app.get("download_button")] == ["Points as CSV", "Sweep as JSON"]
+    app.radio(key="sweep_layout").set_value("paged_shared").run()
+    assert any("smaller than full (paged, shared blocks)" in m.value for m in app.markdown), "the summary's bytes"
+    assert "paged_shared_compression" in app.dataframe[1].value, "the layout's compression beside the counted one"
 
 
 def test_a_failed_item_opens_in_compare_with_its_own_prompt():

@@ -51,10 +51,13 @@ def test_compare_and_trade_offs_show_what_each_serving_layout_would_hold(server,
 
     ready(page, f"{server}/Trade_offs?w=prompt&m=streaming_llm&m=snapkv&b=0.125&b=0.25&b=0.5&n=4"
                "&x=paged_shared", "Run the sweep").click()
-    page.get_by_text("Memory on the x-axis").wait_for(timeout=600_000)
+    page.get_by_text("Memory counted").wait_for(timeout=600_000)
     settle(page)
     no_exception(page)
     page.locator(dom.PLOT).first.wait_for(timeout=60_000)
     chart = page.locator(dom.PLOT).first.inner_text()
     assert "paged, shared blocks" in chart and "frontier" in chart, "the frontier, found on the layout's bytes"
-    shoot_from(page, "tradeoffs-layouts", "Memory on the x-axis")
+    body = page.inner_text("body")
+    assert "smaller than full (paged, shared blocks), is inconclusive" in body, "the summary counts the layout"
+    assert "Compressions count what paged, shared blocks would hold" in body, "and so do the cliffs"
+    shoot_from(page, "tradeoffs-layouts", "Memory counted")

@@ -23,6 +23,7 @@ PAIRED_KEYS = {"items", "lost", "gained", "difference", "difference_ci", "p_valu
     (["--task", "needle", "--method", "snapkv", "--budgets", "a,b"], "bad --budgets 'a,b'"),
     (["--task", "needle", "--method", "snapkv", "--margin", "0"], "--margin 0 is not a loss in points"),
     (["--play", "hamlet", "--method", "snapkv", "--plan"], "--plan needs items: a play is one stream"),
+    (["--play", "hamlet", "--method", "snapkv", "--layout", "paged_shared"], "a play's streaming perplexity keeps no"),
 ])
 def test_mistakes_are_one_line_before_any_model_work(extra, message, capsys, monkeypatch):
     monkeypatch.setattr(options, "load", lambda args: pytest.fail("a mistake must be reported before loading a model"))
@@ -108,3 +109,22 @@ def test_json_carries_each_point_s_layout_bytes_for_the_block_size_given(tiny_mo
     assert full["layout_bytes"]["paged_shared"] >= full["kv_bytes"]
     held = window["layout_bytes"]
     assert held["counted"] <= held["paged_shared"] < full["layout_bytes"]["paged_shared"]
+    assert data["layout"] == "counted"
+
+
+def test_layout_counts_the_table_and_the_verdicts_in_a_serving_layout_s_bytes(tiny_model, monkeypatch, tmp_path,
+                                                                              capsys):
+    monkeypatch.setattr(options, "load", lambda args: tiny_model)
+    prompts = tmp_path / "set.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Item {k}: the quick brown fox jumps over the lazy dog. " * 6})
+                               + "\n" for k in range(3)))
+    out = tmp_path / "sweep.json"
+    assert main(["sweep", "--prompts", str(prompts), "--method", "streaming_llm", "--budgets", "0.25",
+                 "--max-new-tokens", "2", "--block-size", "4", "--layout", "paged_shared", "--json", str(out),
+                 "--quiet"]) == 0
+    data, printed = json.loads(out.read_text()), capsys.readouterr().out
+    assert data["layout"] == "paged_shared"
+    full, window = data["points"]
+    paged = full["layout_bytes"]["paged_shared"] / window["layout_bytes"]["paged_shared"]
+    assert "paged_shared_compression" in printed and f"{paged:.4f}"[:5] in printed
+    assert f": {paged:.1f}x smaller than full (paged, shared blocks) and proven" in printed, "the summary counts it"

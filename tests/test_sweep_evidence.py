@@ -119,16 +119,39 @@ def test_the_server_limit_on_items_is_named():
     assert answer_found("Ines", "The winner is  INES.") and not answer_found("Paris", "Lyon")
 
 
+def _laid_out(report: SweepReport, paged: dict[str, int]) -> SweepReport:
+    """``report`` with each point's bytes in a paged layout too (SPEC -> bytes)."""
+    for point in report.points:
+        point.layout_bytes = {"counted": point.kv_bytes, "paged_shared": paged[point.spec]}
+    return report
+
+
 def test_the_frontier_is_found_again_on_the_memory_a_serving_layout_would_hold():
     """Counted, f:4 holds half of f:2's bytes and loses 15 of 40 items: both are on the frontier. A paged layout that
     frees nothing of f:4's blocks holds more for it than for f:2, which is significantly better: f:4 falls off."""
-    from kvviz.studies.verdicts import frontier_in
-
     right = [True] * 30 + [False] * 10
-    report = judged_report(_task_report({"full": (1.0, right), "f:2": (2.0, right),
-                                         "f:4": (4.0, [False] * 15 + right[15:])}), 5, 0.9)
-    paged = {"full": 1000, "f:2": 600, "f:4": 990}
-    for point in report.points:
-        point.layout_bytes = {"paged_shared": paged[point.spec]}
-    assert frontier_in(report, "accuracy") == report.frontiers["accuracy"] == ["full", "f:2", "f:4"]
-    assert frontier_in(report, "accuracy", "paged_shared") == ["full", "f:2"]
+    outcomes = {"full": (1.0, right), "f:2": (2.0, right), "f:4": (4.0, [False] * 15 + right[15:])}
+    measured = _laid_out(_task_report(outcomes), {"full": 1000, "f:2": 600, "f:4": 990})
+    counted, paged = judged_report(measured, 5, 0.9), judged_report(measured, 5, 0.9, "paged_shared")
+    assert (counted.layout, paged.layout) == ("counted", "paged_shared")
+    assert counted.frontiers["accuracy"] == ["full", "f:2", "f:4"]
+    assert paged.frontiers["accuracy"] == ["full", "f:2"]
+    assert [p.paired.to_json() for p in counted.points[1:]] == [p.paired.to_json() for p in paged.points[1:]], \
+        "the verdicts against full do not depend on memory"
+
+
+def test_the_recommendation_and_the_cliff_count_the_chosen_layout_s_bytes():
+    """f:2 and f:4 are both proven within 5 points on 200 items. Counted, f:4 is the more compressed; paged, f:4's
+    blocks barely free anything (1.01x) while f:2's free 40% (1.67x): deploy f:2, and the cliff is reached there."""
+    full = [True] * 150 + [False] * 50
+    measured = _laid_out(_task_report({"full": (1.0, full), "f:2": (2.0, full), "f:4": (4.0, [False] + full[1:])}),
+                         {"full": 1000, "f:2": 600, "f:4": 990})
+    counted = " ".join(judged_report(measured, 5, 0.9).summary)
+    paged = " ".join(judged_report(measured, 5, 0.9, "paged_shared").summary)
+    assert "Deploy f:4: 4.0x smaller than full and proven" in counted and "up to 4.0x (f:4)." in counted
+    assert "Deploy f:2: 1.7x smaller than full (paged, shared blocks) and proven" in paged
+    assert "up to 1.7x (f:2). Compressions count what paged, shared blocks would hold." in paged
+    with pytest.raises(ValueError, match="no ledger"):
+        judged_report(_task_report({"full": (1.0, full), "f:2": (2.0, full)}), 5, 0.9, "paged_shared")
+
+

@@ -15,7 +15,7 @@ from kvviz.studies.perplexity import play_names
 from kvviz.studies.power import plan
 from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, check_sweep, read_family
 from kvviz.studies.tail_items import NEW_TOKENS
-from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, frontier_in, judged_report
+from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, judged_report
 from kvviz.studies.workloads import DEFAULT_ITEMS, SWEEP_TASKS, PromptWorkload, TaskWorkload, TextWorkload
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
@@ -175,21 +175,11 @@ if run_button("Run the sweep", "sweep_request", asked, disabled=asked is None):
 request, report = run_pressed(
     loaded, "sweep_request", "Choose the workload, the families and the budgets, then press **Run the sweep**.",
     "Sizing every family…", current=asked)
-if (report.margin, report.tail_threshold) != (margin, threshold):
-    report = judged_report(report, margin, threshold)
-
 count = len(report.points)
 st.success(f"{count} configuration{'s' if count != 1 else ''} on {report.workload} in {report.seconds:.1f} s.")
 if report.shard_run is not None:
     st.caption(f"Measured on the Ray cluster: {report.shard_run.describe()}.")
-for line in report.summary:
-    st.markdown(f"- {line}")
-if report.plan is not None:
-    st.caption(f"Plan: {report.plan.sentence()}")
-for note in report.notes:
-    st.caption(note)
-for name, rule in report.rules.items():
-    st.caption(f"{name.replace('_', ' ').capitalize()}: {rule}.")
+summary = st.container()  # written below, once the memory the compressions count is chosen
 
 measure = report.main_measure
 if len(report.frontiers) > 1:
@@ -197,23 +187,33 @@ if len(report.frontiers) > 1:
                        horizontal=True, key="sweep_measure")
 layout = "counted"
 if any(p.layout_bytes for p in report.points):  # a play's streaming perplexity keeps no ledger: counted bytes only
-    layout = choice_setting("Memory on the x-axis", "x", list(LABELS), "counted", key="sweep_layout",
+    layout = choice_setting("Memory counted", "x", list(LABELS), "counted", key="sweep_layout",
                             widget=st.radio, format_func=LABELS.get, horizontal=True,
                             help="Counted: the bytes kvviz holds. The others: what a serving engine's layout would "
                                  f"hold for the same kept tokens, in blocks of {report.block_size} token slots.")
     share_settings(x=layout)
     st.caption(f"{LABELS[layout].capitalize()}: {MEANINGS[layout]}."
-               + ("" if layout == "counted" else " Each point and its cliff move to what this layout would hold, "
-                  "and the frontier is found again on these bytes; the verdicts against full do not depend on "
-                  "memory."))
-frontier = frontier_in(report, measure, layout)  # found on the memory the x-axis counts
-st.plotly_chart(plots.tradeoff_figure(report, measure, layout, frontier), width="stretch")
+               + ("" if layout == "counted" else " Each point and its cliff move to what this layout would hold; "
+                  "the frontier and the recommendation are found again on these bytes. The verdicts against full "
+                  "do not depend on memory."))
+if (report.margin, report.tail_threshold, report.layout) != (margin, threshold, layout):
+    report = judged_report(report, margin, threshold, layout)
+with summary:
+    for line in report.summary:
+        st.markdown(f"- {line}")
+    if report.plan is not None:
+        st.caption(f"Plan: {report.plan.sentence()}")
+    for note in report.notes:
+        st.caption(note)
+    for name, rule in report.rules.items():
+        st.caption(f"{name.replace('_', ' ').capitalize()}: {rule}.")
+st.plotly_chart(plots.tradeoff_figure(report, measure), width="stretch")
 
 prompt, prompt_chat = st.session_state.get("sweep_prompt", (None, True))
 on_items = isinstance(request.workload, TaskWorkload)
 compare_tokens = NEW_TOKENS[request.workload.task] if on_items else getattr(request.workload, "max_new_tokens", 24)
 table = report.to_frame()
-table["frontier"] = table["spec"].isin(frontier)
+table["frontier"] = table["spec"].isin(report.frontiers[measure])
 table["open"] = [item_link(spec, report.items[0]["id"], request.workload.seed, compare_tokens) if on_items
                  else compare_link(spec, prompt, prompt_chat, compare_tokens) for spec in table["spec"]]
 for key in ("accuracy_ci", "agreement_ci", "tail_ci"):
@@ -225,7 +225,8 @@ table["versus_full"] = [None if j is None else j.interval_text() for j in judged
 table["lost"] = [None if j is None else j.lost for j in judged]
 table["gained"] = [None if j is None or j.p_value is None else j.gained for j in judged]
 table["p_adjusted"] = [None if j is None else j.p_adjusted for j in judged]
-shown_columns = [c for c in ("spec", "family", "budget", "kv_bytes", "compression", *report.frontiers,
+in_layout = (f"{report.layout}_bytes", f"{report.layout}_compression")  # none for counted bytes
+shown_columns = [c for c in ("spec", "family", "budget", "kv_bytes", "compression", *in_layout, *report.frontiers,
                              "accuracy_ci", "agreement_ci", "tail_ci", "items_scored", "verdict", "versus_full",
                              "lost", "gained", "p_adjusted", "first_divergence", "frontier", "open", "error")
                  if c in table and (table[c].notna().any() if c != "frontier" else True)]
@@ -264,6 +265,8 @@ st.subheader("Every point")
 st.dataframe(table[shown_columns], hide_index=True, width="stretch", column_config={
     "compression": st.column_config.NumberColumn("compression", format="%.2fx"),
     "kv_bytes": st.column_config.NumberColumn("KV bytes", format="%d"),
+    in_layout[0]: st.column_config.NumberColumn(f"{LABELS[report.layout]}: bytes", format="%d"),
+    in_layout[1]: st.column_config.NumberColumn(f"{LABELS[report.layout]}: compression", format="%.2fx"),
     "accuracy_ci": st.column_config.TextColumn("accuracy 95%"),
     "agreement_ci": st.column_config.TextColumn("agreement 95%"),
     "tail_ci": st.column_config.TextColumn("tail 95%"),

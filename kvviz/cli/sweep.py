@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvviz.cache.layouts import LABELS
 from kvviz.cli import options
 from kvviz.cli.options import UsageError
 from kvviz.cli.output import progress_unless, write_json
@@ -55,6 +56,10 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="print what this many items can detect and prove at the margin, and stop (no model)")
     parser.add_argument("--markdown", action="store_true", help="print one Markdown table row per point")
     options.add_block_size_option(parser)
+    parser.add_argument("--layout", choices=list(LABELS), default="counted",
+                        help="the memory compressions count, and so the frontier, the cliffs and the recommendation: "
+                             "the bytes kvviz holds (counted, the default) or what a serving layout would hold for "
+                             "the same kept tokens at --block-size (docs/layouts.md)")
     parser.add_argument("--ray", nargs="?", const=LOCAL, metavar="ADDRESS",
                         help="measure in shards on Ray workers, each shard stored as it finishes (a rerun measures "
                              "only what is missing): alone, a local Ray instance on 127.0.0.1; with an address "
@@ -124,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--margin {args.margin:g} is not a loss in points between 0 and 100")
     if not 0 < args.tail_threshold <= 1:
         raise UsageError(f"--tail-threshold {args.tail_threshold:g} is not an agreement in (0, 1]")
+    if args.play is not None and args.layout != "counted":
+        raise UsageError("--layout: a play's streaming perplexity keeps no ledger to lay out; counted bytes only")
     task = TaskWorkload(args.task, args.task_length, args.items, args.seed) if args.task else None
     try:  # every mistake in one line, before any model work
         check_sweep(args.method, budgets, task)
@@ -148,8 +155,8 @@ def run(args: argparse.Namespace) -> int:
         report = request.run(loaded, progress_unless(args.quiet))
     except ClusterError as error:
         raise UsageError(str(error)) from None
-    if (report.margin, report.tail_threshold) != (args.margin, args.tail_threshold):
-        report = judged_report(report, args.margin, args.tail_threshold)
+    if (report.margin, report.tail_threshold, report.layout) != (args.margin, args.tail_threshold, args.layout):
+        report = judged_report(report, args.margin, args.tail_threshold, args.layout)
     if args.json:
         write_json(args.json, report.to_json())
     if args.json != "-":

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE, LABELS
 from kvviz.methods import MethodStack, Sizing, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
@@ -33,7 +33,7 @@ from kvviz.studies.paired import DEFAULT_MARGIN, Paired
 from kvviz.studies.power import Plan
 from kvviz.studies.sweep_measure import Measured, Outcome, Rows, fill_points, measure_rows
 from kvviz.studies.sweep_shards import ShardRun
-from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, Cliff, judged_report
+from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, Cliff, compression_of, held_bytes, judged_report
 from kvviz.studies.workloads import ANSWER_RULE, Workload, check_workload
 
 DEFAULT_BUDGETS = (0.0625, 0.125, 0.25, 0.5)
@@ -205,6 +205,7 @@ class SweepReport:
     tail_threshold: float = DEFAULT_TAIL_THRESHOLD
     plan: Plan | None = None  # what this many items can detect and prove (None: a play has no items)
     block_size: int = DEFAULT_BLOCK_SIZE  # token slots per block of the paged layouts in each point's layout_bytes
+    layout: str = "counted"  # the memory that compressions, frontiers, cliffs and the summary count (cache.layouts)
 
     @property
     def main_measure(self) -> str:
@@ -220,21 +221,32 @@ class SweepReport:
                 "margin": self.margin, "tail_threshold": self.tail_threshold,
                 "plan": None if self.plan is None else self.plan.to_json(),
                 "notes": self.notes, "seconds": round(self.seconds, 3), "block_size": self.block_size,
+                "layout": self.layout,
                 **(self.shard_run.to_json() if self.shard_run is not None else {})}
 
     def to_frame(self):
         import pandas as pd
 
         hidden = ("factors", "outcomes", "paired", "paired_by_measure", "layout_bytes")
-        rows = [{k: v for k, v in p.to_json().items() if k not in hidden} | _paired_columns(p.paired)
-                for p in self.points]
+        rows = [{k: v for k, v in p.to_json().items() if k not in hidden} | self._layout_columns(p)
+                | _paired_columns(p.paired) for p in self.points]
         return pd.DataFrame(rows)
+
+    def _layout_columns(self, point: SweepPoint) -> dict:
+        """What the report's layout holds for the point and its compression there (nothing for counted bytes)."""
+        if self.layout == "counted":
+            return {}
+        full = next((p for p in self.points if p.spec == "full"), None)
+        held, compression = held_bytes(point, self.layout), compression_of(point, full, self.layout)
+        return {f"{self.layout}_bytes": None if held is None else round(held),
+                f"{self.layout}_compression": None if compression is None else round(compression, 4)}
 
     def markdown(self) -> str:
         """One table row per point, each measure with its interval where it has one, and the main measure's paired
         comparison with full: lost/gained, the difference with its interval, the verdict."""
         measures = [m for m in MEASURES.values() if any(getattr(p, m.key) is not None for p in self.points)]
-        header = ["spec", "family", "budget", "KV bytes", "compression", *(m.label for m in measures),
+        in_layout = [] if self.layout == "counted" else [f"{LABELS[self.layout]}: bytes", "compression"]
+        header = ["spec", "family", "budget", "KV bytes", "compression", *in_layout, *(m.label for m in measures),
                   "lost / gained", "vs full [95%]", f"verdict at {self.margin:g} points", "frontier"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         for p in self.points:
@@ -242,6 +254,8 @@ class SweepReport:
             cells = [p.spec, p.family, "" if p.budget is None else f"{p.budget:.3g}",
                      "" if p.kv_bytes is None else f"{p.kv_bytes:,}",
                      "" if p.compression is None else f"{p.compression:.2f}x",
+                     *("" if v is None else f"{v:,}" if k.endswith("_bytes") else f"{v:.2f}x"
+                       for k, v in self._layout_columns(p).items()),
                      *("" if v is None else m.with_interval(v, getattr(p, m.interval) if m.interval else None)
                        for m, v in zip(measures, values, strict=True)),
                      "" if p.paired is None else f"{p.paired.lost} / {p.paired.gained}",

@@ -10,6 +10,9 @@ The rules (docs/quality.md works them through):
 - **recommendation**: the most compressed configuration whose margin test survives Holm's adjustment across every
   point of the sweep;
 - **frontier**: a point is dominated only by one with no more bytes that is significantly better on the same items;
+- **memory**: compressions, and so the frontier, the cliffs and the recommendation, count the bytes kvviz holds or
+  what a serving layout would hold for the same kept tokens (:mod:`kvviz.cache.layouts`); the verdicts against full
+  do not depend on memory;
 - **tail** (prompt sets): the share of prompts whose agreement with full falls below a threshold, a Wilson interval
   beside it, judged against full (which never falls below) like accuracy.
 """
@@ -20,6 +23,7 @@ import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from kvviz.cache.layouts import LABELS, compression_in
 from kvviz.studies.frontier import MEASURES, Measure, on_frontier
 from kvviz.studies.intervals import bootstrap_mean, wilson
 from kvviz.studies.paired import (
@@ -104,6 +108,19 @@ def held_bytes(point, layout: str = "counted") -> float | None:
     return point.kv_bytes if layout == "counted" else (point.layout_bytes or {}).get(layout)
 
 
+def compression_of(point, full, layout: str = "counted") -> float | None:
+    """How many times smaller than ``full`` a point is: in the bytes kvviz counts, or in what serving ``layout``
+    would hold for the same kept tokens (None where either has no ledger to lay out)."""
+    if layout == "counted":
+        return point.compression
+    return compression_in(layout, point.layout_bytes, None if full is None else full.layout_bytes)
+
+
+def smaller_than_full(compression: float, layout: str) -> str:
+    """"4.0x smaller than full", naming the layout whose bytes were counted where it is not kvviz's own."""
+    return f"{compression:.1f}x smaller than full" + ("" if layout == "counted" else f" ({LABELS[layout]})")
+
+
 def frontier_flags(points: Sequence, measure: Measure, threshold: float, groups: list[str] | None,
                    layout: str = "counted") -> list[bool]:
     """Which points are on ``measure``'s frontier (:func:`kvviz.studies.frontier.on_frontier`) with memory counted
@@ -122,16 +139,6 @@ def frontier_flags(points: Sequence, measure: Measure, threshold: float, groups:
     return on_frontier(pairs, measure, beats)
 
 
-def frontier_in(report, measure_key: str, layout: str = "counted") -> list[str]:
-    """The SPECs on ``measure_key``'s frontier of a judged sweep with memory counted in ``layout``: a layout that
-    rounds kept tokens up to whole blocks can make a cheaper-looking point hold more than a pricier one, and then
-    the frontier moves. Counted bytes are the report's own frontier."""
-    if layout == "counted":
-        return report.frontiers.get(measure_key, [])
-    flags = frontier_flags(report.points, MEASURES[measure_key], report.tail_threshold, report.groups, layout)
-    return [point.spec for point, flag in zip(report.points, flags, strict=True) if flag]
-
-
 @dataclass(frozen=True)
 class Cliff:
     """Where a family falls off on a measure: ``spec`` its most compressed point proven within the margin, walking
@@ -147,22 +154,24 @@ class Cliff:
     past_verdict: str | None = None
     margin: float = 0.0
     items_needed: int | None = None
+    layout: str = "counted"  # whose bytes the compressions count
 
     def sentence(self) -> str:
         margin = f"within {self.margin:g} points of full"
+        memory = "" if self.layout == "counted" else f" Compressions count what {LABELS[self.layout]} would hold."
         if self.spec is None:
             needed = f"; proving it takes at least {self.items_needed:,} items" if self.items_needed else ""
             return (f"{self.family}: no point is proven {margin}; its least compressed, {self.past_compression:.1f}x "
-                    f"({self.past}), {self.past_verdict}{needed}.")
+                    f"({self.past}), {self.past_verdict}{needed}.{memory}")
         if self.past is None:
             return (f"{self.family} is proven {margin} at every budget measured, up to {self.compression:.1f}x "
-                    f"({self.spec}).")
+                    f"({self.spec}).{memory}")
         return (f"{self.family}'s cliff: proven {margin} up to {self.compression:.1f}x ({self.spec}); at "
-                f"{self.past_compression:.1f}x ({self.past}) it {self.past_verdict}.")
+                f"{self.past_compression:.1f}x ({self.past}) it {self.past_verdict}.{memory}")
 
 
 def find_cliff(family: str, members: Sequence[tuple[str, float, Paired | None]], margin: float,
-               items_needed: int | None = None) -> Cliff | None:
+               items_needed: int | None = None, layout: str = "counted") -> Cliff | None:
     """The cliff of a family from its points (SPEC, compression, judgement against full), None when some point was
     not judged. Fixed-sequence: the walk stops at the first point not proven, whatever lies beyond it."""
     if not members or any(paired is None for _, _, paired in members):
@@ -171,40 +180,46 @@ def find_cliff(family: str, members: Sequence[tuple[str, float, Paired | None]],
     for spec, compression, paired in sorted(members, key=lambda m: m[1]):
         if paired.verdict != WITHIN:
             return Cliff(family, *(held or (None, None)), spec, compression, paired.describe(), margin,
-                         None if held else items_needed)
+                         None if held else items_needed, layout)
         held = (spec, compression)
-    return Cliff(family, *held, margin=margin)
+    return Cliff(family, *held, margin=margin, layout=layout)
 
 
 def family_cliffs(report, measure_key: str) -> dict[str, Cliff | None]:
-    """Every family's cliff on ``measure_key`` (the chart's stars follow the measure on screen)."""
+    """Every family's cliff on ``measure_key`` (the chart's stars follow the measure on screen), its points ordered
+    and its compressions read in the report's memory layout."""
     needed = report.plan.items_for_margin if report.plan else None
-    return {f.spec: find_cliff(f.spec, [(p.spec, p.compression, p.paired_by_measure.get(measure_key))
+    full = next((p for p in report.points if p.spec == "full"), None)
+    compression = {p.spec: compression_of(p, full, report.layout) for p in report.points}
+    return {f.spec: find_cliff(f.spec, [(p.spec, compression[p.spec], p.paired_by_measure.get(measure_key))
                                         for p in report.points if p.family == f.spec and p.error is None
-                                        and p.compression], report.margin, needed)
+                                        and compression[p.spec]], report.margin, needed, report.layout)
             for f in report.families if f.member is not None}
 
 
-def recommendation(points: Sequence, measure: Measure, margin: float, scope: str, needed: int | None) -> list[str]:
-    """Sentences a reader can deploy from: full's own score, the most compressed configuration proven within the
-    margin after Holm's adjustment (or that none is, the closest and how many items proving it would take), and
-    the configurations shown worse than full."""
+def recommendation(points: Sequence, measure: Measure, margin: float, scope: str, needed: int | None,
+                   layout: str = "counted") -> list[str]:
+    """Sentences a reader can deploy from: full's own score, the most compressed configuration (in ``layout``'s
+    bytes) proven within the margin after Holm's adjustment (or that none is, the closest and how many items proving
+    it would take), and the configurations shown worse than full."""
     full = points[0]
+    compression = {p.spec: compression_of(p, full, layout) for p in points}
     lines = []
     interval = getattr(full, measure.interval) if measure.interval else None
     if measure.key == "accuracy" and full.accuracy is not None:
         right = sum(bool(o.correct) for o in full.outcomes)
         lines.append(f"{scope}, the full cache is right on {right} of {len(full.outcomes)} "
                      f"({measure.with_interval(full.accuracy, interval)}).")
-    judged = [(p, p.paired) for p in points[1:] if p.paired is not None and p.compression]
+    judged = [(p, p.paired) for p in points[1:] if p.paired is not None and compression[p.spec]]
     if not judged:
         return lines
     proven = [(p, j) for p, j in judged if j.margin_p_adjusted is not None and j.margin_p_adjusted < PROVEN]
     count = f"{len(judged)} configuration{'s' if len(judged) != 1 else ''}"
     if proven:
-        best, paired = max(proven, key=lambda pj: (pj[0].compression, pj[1].difference))
+        best, paired = max(proven, key=lambda pj: (compression[pj[0].spec], pj[1].difference))
         others = len(proven) - 1
-        lines.append(f"Deploy {best.spec}: {best.compression:.1f}x smaller than full and proven within {margin:g} "
+        lines.append(f"Deploy {best.spec}: {smaller_than_full(compression[best.spec], layout)} and proven within "
+                     f"{margin:g} "
                      f"points of it on {measure.label} ({paired.interval_text()}; margin test p "
                      f"{paired.margin_p_adjusted:.3f} after Holm's adjustment across {count})"
                      + (f"; {others} other{'s are' if others > 1 else ' is'} proven too, less compressed."
@@ -213,9 +228,10 @@ def recommendation(points: Sequence, measure: Measure, margin: float, scope: str
         closest, paired = max(judged, key=lambda pj: (pj[1].difference_ci or (-1.0, -1.0))[0])
         hint = f" Proving a {margin:g}-point margin takes at least {needed:,} items." if needed else ""
         lines.append(f"No configuration is proven within {margin:g} points of full on {measure.label} after Holm's "
-                     f"adjustment across {count}; the closest, {closest.spec} ({closest.compression:.1f}x), "
+                     f"adjustment across {count}; the closest, {closest.spec}, "
+                     f"{smaller_than_full(compression[closest.spec], layout)}, "
                      f"{paired.describe()} ({paired.interval_text()}).{hint}")
-    worse = sorted((p for p, j in judged if j.verdict == WORSE), key=lambda p: p.compression)
+    worse = sorted((p for p, j in judged if j.verdict == WORSE), key=lambda p: compression[p.spec])
     if worse:
         named = ", ".join(p.spec for p in worse[:4]) + (f" and {len(worse) - 4} more" if len(worse) > 4 else "")
         lines.append(f"{len(worse)} {'are' if len(worse) > 1 else 'is'} worse than full (the interval of the "
@@ -229,11 +245,14 @@ SCOPE_NOTES = {
 }
 
 
-def judged_report(report, margin: float, threshold: float):
-    """A copy of ``report`` with every verdict read at ``margin`` points and the tail at ``threshold``: paired
-    comparisons per measure, frontiers, cliffs, the plan and the summary. Measuring is not repeated, so the page
-    re-reads a stored sweep at another margin at once."""
+def judged_report(report, margin: float, threshold: float, layout: str = "counted"):
+    """A copy of ``report`` with every verdict read at ``margin`` points and the tail at ``threshold``, and memory
+    counted in ``layout``: paired comparisons per measure, frontiers, cliffs, the plan and the summary. Measuring
+    is not repeated, so the page re-reads a stored sweep at another margin or layout at once."""
+    if layout != "counted" and not any(p.layout_bytes for p in report.points):
+        raise ValueError(f"this sweep kept no ledger to lay out in {LABELS.get(layout, layout)!r}: counted bytes only")
     judged = copy.deepcopy(report)
+    judged.layout = layout
     points, groups = judged.points, judged.groups
     fill_tail(points, threshold, groups)
     items = len(judged.items) if judged.items else 1
@@ -247,7 +266,7 @@ def judged_report(report, margin: float, threshold: float):
     for point in points:
         point.paired = point.paired_by_measure.get(main.key)
     judged.frontiers = {key: [p.spec for p, flag in zip(points, frontier_flags(points, MEASURES[key], threshold,
-                                                                                 groups), strict=True) if flag]
+                                                                                 groups, layout), strict=True) if flag]
                         for key in judged.measure_keys}
     for point in points:
         point.frontier = point.spec in judged.frontiers[main.key]
@@ -255,7 +274,7 @@ def judged_report(report, margin: float, threshold: float):
     single = judged.workload_kind == "prompt" and items == 1
     scope = "On this prompt" if single else f"On {judged.workload}"
     needed = judged.plan.items_for_margin if judged.plan else None
-    summary = recommendation(points, main, margin, scope, needed)
+    summary = recommendation(points, main, margin, scope, needed, layout)
     summary += [cliff.sentence() for cliff in judged.cliffs.values() if cliff is not None]
     if single:
         summary.append("One prompt is a single example, not a benchmark: nothing can be proven on it. Sweep a prompt "

@@ -9,11 +9,11 @@ import math
 import pandas as pd
 import plotly.graph_objects as go
 
-from kvviz.cache.layouts import LABELS, compression_in
+from kvviz.cache.layouts import LABELS
 from kvviz.studies.frontier import MEASURES
 from kvviz.studies.paired import INCONCLUSIVE, WITHIN, WORSE
 from kvviz.studies.sweep import SweepPoint, SweepReport
-from kvviz.studies.verdicts import family_cliffs, frontier_in
+from kvviz.studies.verdicts import compression_of, family_cliffs
 
 OUTCOME_COLORS = {"both_right": "#2e7d32", "evicted": "#c62828", "quantization": "#ef6c00",
                   "not evicted": "#6a1b9a", "gained": "#1565c0", "both_wrong": "#9e9e9e"}
@@ -33,25 +33,16 @@ def budget_label(point: SweepPoint) -> str:
     return f"{share} · {point.compression:.1f}x" if point.compression else share
 
 
-def x_of(point: SweepPoint, full: SweepPoint | None, layout: str) -> float | None:
-    """A point's place on the x-axis: how many times smaller than full, in bytes kvviz counts or, for another
-    ``layout`` (:mod:`kvviz.cache.layouts`), in what that layout would hold for the same kept tokens."""
-    if layout == "counted":
-        return point.compression
-    return compression_in(layout, point.layout_bytes, None if full is None else full.layout_bytes)
-
-
-def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counted",
-                    frontier: list[str] | None = None) -> go.Figure:
-    """Quality (``measure_key``) against how many times smaller than full (in ``layout``'s bytes: :func:`x_of`),
+def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
+    """Quality (``measure_key``) against how many times smaller than full (in the bytes of the report's layout:
+    :func:`kvviz.studies.verdicts.compression_of`),
     log scale, one line per family. Points carry their 95% interval as error bars and their verdict against full on
     that measure as the marker (filled: proven within the margin; open: inconclusive; x: worse); a star marks each
-    family's cliff; full is a diamond with its interval as a grey band; the frontier, found on the memory the x-axis
-    counts (``frontier``: its SPECs, when the caller has found them already), is drawn under the lines. For a
-    prompt set, each family's worst prompt is a dotted line under its mean."""
-    measure = MEASURES[measure_key]
+    family's cliff; full is a diamond with its interval as a grey band; points on the frontier, found on the same
+    memory, sit on grey discs. For a prompt set, each family's worst prompt is a dotted line under its mean."""
+    measure, layout = MEASURES[measure_key], report.layout
     reference = next((p for p in report.points if p.spec == "full"), None)
-    x = {p.spec: x_of(p, reference, layout) for p in report.points if p.error is None}
+    x = {p.spec: compression_of(p, reference, layout) for p in report.points if p.error is None}
     points = [p for p in report.points if p.error is None and x[p.spec] is not None
               and getattr(p, measure_key) is not None]
     figure = go.Figure()
@@ -63,11 +54,12 @@ def tradeoff_figure(report: SweepReport, measure_key: str, layout: str = "counte
         low, high = getattr(full, interval)
         figure.add_hrect(y0=low, y1=high, fillcolor="rgba(120, 120, 120, 0.15)", line_width=0,
                          annotation_text="full's 95% interval", annotation_position="bottom left")
-    on_frontier = set(frontier_in(report, measure_key, layout) if frontier is None else frontier)
-    line = sorted((p for p in points if p.spec in on_frontier), key=lambda p: x[p.spec])
-    figure.add_trace(go.Scatter(x=[x[p.spec] for p in line], y=[getattr(p, measure_key) for p in line],
-                                name="frontier", mode="lines", hoverinfo="skip",  # first: under the families' lines
-                                line={"color": "rgba(0, 0, 0, 0.18)", "width": 10}))
+    on_frontier = set(report.frontiers.get(measure_key, []))
+    ringed = [p for p in points if p.spec in on_frontier]  # rings, not a line: where nothing is proven better,
+    # points with less memory and a lower score all stay on it, and a line through them would zigzag
+    figure.add_trace(go.Scatter(x=[x[p.spec] for p in ringed], y=[getattr(p, measure_key) for p in ringed],
+                                name="frontier", mode="markers",
+                                hoverinfo="skip", marker={"size": 26, "color": "rgba(0, 0, 0, 0.13)"}))
     cliffs = {c.spec for c in family_cliffs(report, measure_key).values() if c is not None and c.spec}
     for family in dict.fromkeys(p.family for p in points):
         members = sorted((p for p in points if p.family == family),
