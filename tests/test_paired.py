@@ -16,6 +16,7 @@ from kvviz.studies.paired import (
     newcombe_paired,
     paired_binary,
     paired_mean,
+    units_to_prove,
 )
 from kvviz.studies.power import detectable_loss, items_for_margin, plan, power_against
 from kvviz.studies.verdicts import find_cliff
@@ -80,9 +81,24 @@ def test_a_point_is_within_the_margin_only_when_the_interval_proves_it():
 def test_agreement_is_judged_on_each_prompts_loss_against_full():
     three_broken = [-1.0] * 3 + [0.0] * 29  # 3 of 32 prompts at 0% agreement
     assert paired_mean(three_broken, margin_points=2).verdict != WITHIN
-    four_slight = [-0.01] * 4 + [0.0] * 28  # 4 of 32 prompts at 99%
+    four_slight = [-0.01] * 4 + [0.0] * 196  # 4 of 200 prompts at 99%
     judged = paired_mean(four_slight, margin_points=2)
     assert judged.verdict == WITHIN and judged.lost == 4 and judged.p_value is None
+    assert paired_mean(four_slight[:32], margin_points=2).units_needed == 183, "32 prompts cannot prove 2 points"
+
+
+def test_a_few_alike_prompts_cannot_prove_a_margin_whatever_the_bootstrap_says():
+    """Three lossless prompts: the bootstrap's interval is [0, 0], yet a mean loss of 5 points (one prompt in twenty
+    broken) leaves three prompts lossless 86% of the time."""
+    few = paired_mean([0.0] * 3, margin_points=5)
+    assert few.difference_ci == (0.0, 0.0) and few.verdict == INCONCLUSIVE
+    assert few.margin_p == pytest.approx(0.95 ** 3) and few.units_needed == units_to_prove(5) == 72
+    assert "3 items cannot prove the margin" in few.describe()
+    assert paired_mean([0.0] * 72, 5).verdict == WITHIN and paired_mean([0.0] * 71, 5).verdict == INCONCLUSIVE
+    documents = [f"doc{i % 10}" for i in range(100)]
+    assert paired_mean([0.0] * 100, 5, groups=documents).units_needed == 72, "ten documents are ten units"
+    assert paired_binary([True] * 100, [True] * 100, 5, groups=documents).verdict == INCONCLUSIVE
+    assert paired_binary([True] * 100, [True] * 100, 5).verdict == WITHIN, "Newcombe's interval counts items"
 
 
 def test_groups_widen_the_interval_of_prompts_sharing_a_document():

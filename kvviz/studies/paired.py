@@ -11,7 +11,12 @@ configuration that loses 6 of 32 items and gains none can still overlap full. Th
   towards zero by n/2 when it is positive, and zero when a margin is empty). The test of "no difference" is the exact
   McNemar test: under it the lost items among the discordant ones are Binomial(lost + gained, 1/2).
 - **a mean over items** (agreement with full per prompt): the mean paired difference with a bootstrap percentile
-  interval over the items (or over groups of items sharing one document, when groups are given).
+  interval over the items (or over groups of items sharing one document, when groups are given). A bootstrap sees
+  no spread in a few equal differences, so it alone would call three lossless prompts proof of a 5-point margin. Its
+  margin test is therefore floored by what k independent units (items, or groups) can show at all: with per-unit
+  losses bounded by 1 and a mean loss of m, every unit comes out lossless with probability up to (1 - m)^k (a loss of
+  1 on a share m of units), so no test that favours smaller observed losses proves the margin on fewer units than
+  k = ln(0.025) / ln(1 - m): 72 at 5 points, the same order as the 73 items the plan asks of right/wrong outcomes.
 
 A *margin* is the loss the user accepts, in points. A configuration is ``within_margin`` when its interval's lower
 bound lies above minus the margin (non-inferiority), ``worse`` when its upper bound lies below zero, and
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -160,6 +165,7 @@ class Paired:
     verdict: str
     p_adjusted: float | None = None
     margin_p_adjusted: float | None = None
+    units_needed: int | None = None  # set where the interval clears the margin but too few units stand behind it
 
     @property
     def hidden_loss(self) -> float | None:
@@ -173,6 +179,9 @@ class Paired:
             return "is worse than full"
         if self.verdict == WITHIN:
             return "is within the margin"
+        if self.units_needed:
+            return (f"is inconclusive: {self.items} items cannot prove the margin, however alike (at least "
+                    f"{self.units_needed} can)")
         return f"could hide a loss of up to {self.hidden_loss:.0f} points" if self.hidden_loss else "is inconclusive"
 
     def interval_text(self) -> str:
@@ -200,7 +209,9 @@ def paired_binary(full: Sequence[bool], other: Sequence[bool], margin_points: fl
         interval, margin_p = newcombe_paired(table), margin_p_binary(table, margin_points)
     else:
         means = resample_means([float(o) - float(f) for f, o in zip(full, other, strict=True)], groups)
-        interval, margin_p = percentile_interval(means), _bootstrap_margin_p(means, margin_points)
+        return _floored(Paired(table.items, table.lost, table.gained, difference, percentile_interval(means),
+                               mcnemar_exact(table.lost, table.gained), _bootstrap_margin_p(means, margin_points),
+                               ""), len(set(groups)), margin_points)
     p_value = mcnemar_exact(table.lost, table.gained)
     return Paired(table.items, table.lost, table.gained, difference, interval, p_value, margin_p,
                   verdict(interval, margin_points, p_value))
@@ -210,10 +221,26 @@ def paired_mean(differences: Sequence[float], margin_points: float, groups: Sequ
     """A configuration's per-item difference from full (e.g. agreement minus full's 1.0): the mean, its bootstrap
     interval and the bootstrap margin test (the share of resampled means at or below minus the margin)."""
     means = resample_means(differences, groups)
-    interval = percentile_interval(means)
-    return Paired(len(differences), sum(d < 0 for d in differences), sum(d > 0 for d in differences),
-                  float(np.mean(differences)), interval, None, _bootstrap_margin_p(means, margin_points),
-                  verdict(interval, margin_points))
+    units = len(differences) if groups is None else len(set(groups))
+    return _floored(Paired(len(differences), sum(d < 0 for d in differences), sum(d > 0 for d in differences),
+                           float(np.mean(differences)), percentile_interval(means), None,
+                           _bootstrap_margin_p(means, margin_points), ""), units, margin_points)
+
+
+def units_to_prove(margin_points: float) -> int:
+    """The fewest independent units that can prove ``margin_points`` when none of them lost anything (module
+    docstring): the least k with (1 - m)^k below the one-sided level."""
+    return math.floor(math.log(ALPHA / 2) / math.log(1 - margin_points / 100)) + 1
+
+
+def _floored(paired: Paired, units: int, margin_points: float) -> Paired:
+    """A bootstrap judgement with its margin test floored by what ``units`` independent units can show, and its
+    verdict set: ``within_margin`` needs the floored test to pass as well as the interval to clear the margin."""
+    floor = (1 - margin_points / 100) ** units
+    judged = verdict(paired.difference_ci, margin_points, paired.p_value)
+    blocked = judged == WITHIN and floor >= ALPHA / 2
+    return replace(paired, margin_p=max(paired.margin_p, floor), verdict=INCONCLUSIVE if blocked else judged,
+                   units_needed=units_to_prove(margin_points) if blocked else None)
 
 
 def _bootstrap_margin_p(means: np.ndarray | None, margin_points: float) -> float:
