@@ -9,7 +9,8 @@ from kvviz.cli import main, options
 
 POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_with_full", "mean_kl", "accuracy",
               "perplexity", "frontier", "paired", "tail_share", "tail_ci"}
-PAIRED_KEYS = {"items", "lost", "gained", "difference", "difference_ci", "p_value", "p_adjusted", "verdict", "units_needed"}
+PAIRED_KEYS = {"items", "lost", "gained", "difference", "difference_ci", "p_value", "p_adjusted", "verdict",
+               "units_needed"}
 
 
 @pytest.mark.parametrize(("extra", "message"), [
