@@ -151,6 +151,8 @@ def test_the_recommendation_and_the_cliff_count_the_chosen_layout_s_bytes():
     assert "Deploy f:4: 4.0x smaller than full and proven" in counted and "up to 4.0x (f:4)." in counted
     assert "Deploy f:2: 1.7x smaller than full (paged, shared blocks) and proven" in paged
     assert "up to 1.7x (f:2). Compressions count what paged, shared blocks would hold." in paged
+    table = judged_report(measured, 5, 0.9, "paged_shared").markdown()
+    assert "| paged, shared blocks: bytes | paged, shared blocks: compression |" in table and "| 600 | 1.67x |" in table
     with pytest.raises(ValueError, match="no ledger"):
         judged_report(_task_report({"full": (1.0, full), "f:2": (2.0, full)}), 5, 0.9, "paged_shared")
 

@@ -245,7 +245,8 @@ class SweepReport:
         """One table row per point, each measure with its interval where it has one, and the main measure's paired
         comparison with full: lost/gained, the difference with its interval, the verdict."""
         measures = [m for m in MEASURES.values() if any(getattr(p, m.key) is not None for p in self.points)]
-        in_layout = [] if self.layout == "counted" else [f"{LABELS[self.layout]}: bytes", "compression"]
+        in_layout = [] if self.layout == "counted" else [f"{LABELS[self.layout]}: {what}" for what in
+                                                         ("bytes", "compression")]
         header = ["spec", "family", "budget", "KV bytes", "compression", *in_layout, *(m.label for m in measures),
                   "lost / gained", "vs full [95%]", f"verdict at {self.margin:g} points", "frontier"]
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

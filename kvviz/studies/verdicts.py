@@ -219,8 +219,7 @@ def recommendation(points: Sequence, measure: Measure, margin: float, scope: str
         best, paired = max(proven, key=lambda pj: (compression[pj[0].spec], pj[1].difference))
         others = len(proven) - 1
         lines.append(f"Deploy {best.spec}: {smaller_than_full(compression[best.spec], layout)} and proven within "
-                     f"{margin:g} "
-                     f"points of it on {measure.label} ({paired.interval_text()}; margin test p "
+                     f"{margin:g} points of it on {measure.label} ({paired.interval_text()}; margin test p "
                      f"{paired.margin_p_adjusted:.3f} after Holm's adjustment across {count})"
                      + (f"; {others} other{'s are' if others > 1 else ' is'} proven too, less compressed."
                         if others else "."))
