@@ -155,5 +155,3 @@ def test_the_recommendation_and_the_cliff_count_the_chosen_layout_s_bytes():
     assert "| paged, shared blocks: bytes | paged, shared blocks: compression |" in table and "| 600 | 1.67x |" in table
     with pytest.raises(ValueError, match="no ledger"):
         judged_report(_task_report({"full": (1.0, full), "f:2": (2.0, full)}), 5, 0.9, "paged_shared")
-
-

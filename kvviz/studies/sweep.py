@@ -211,6 +211,11 @@ class SweepReport:
     def main_measure(self) -> str:
         return self.measure_keys[0]
 
+    @property
+    def full(self) -> SweepPoint | None:
+        """The full cache's point, every other point's reference (None where it failed to run)."""
+        return next((p for p in self.points if p.spec == "full"), None)
+
     def to_json(self) -> dict:
         return {"model": self.model, "prompt_tokens": self.prompt_tokens, "workload": self.workload,
                 "workload_kind": self.workload_kind, "budgets": self.budgets, "main_measure": self.main_measure,
@@ -236,8 +241,7 @@ class SweepReport:
         """What the report's layout holds for the point and its compression there (nothing for counted bytes)."""
         if self.layout == "counted":
             return {}
-        full = next((p for p in self.points if p.spec == "full"), None)
-        held, compression = held_bytes(point, self.layout), compression_of(point, full, self.layout)
+        held, compression = held_bytes(point, self.layout), compression_of(point, self.full, self.layout)
         return {f"{self.layout}_bytes": None if held is None else round(held),
                 f"{self.layout}_compression": None if compression is None else round(compression, 4)}
 

@@ -189,8 +189,7 @@ def family_cliffs(report, measure_key: str) -> dict[str, Cliff | None]:
     """Every family's cliff on ``measure_key`` (the chart's stars follow the measure on screen), its points ordered
     and its compressions read in the report's memory layout."""
     needed = report.plan.items_for_margin if report.plan else None
-    full = next((p for p in report.points if p.spec == "full"), None)
-    compression = {p.spec: compression_of(p, full, report.layout) for p in report.points}
+    compression = {p.spec: compression_of(p, report.full, report.layout) for p in report.points}
     return {f.spec: find_cliff(f.spec, [(p.spec, compression[p.spec], p.paired_by_measure.get(measure_key))
                                         for p in report.points if p.family == f.spec and p.error is None
                                         and compression[p.spec]], report.margin, needed, report.layout)

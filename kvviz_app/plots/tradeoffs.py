@@ -35,14 +35,13 @@ def budget_label(point: SweepPoint) -> str:
 
 def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
     """Quality (``measure_key``) against how many times smaller than full (in the bytes of the report's layout:
-    :func:`kvviz.studies.verdicts.compression_of`),
-    log scale, one line per family. Points carry their 95% interval as error bars and their verdict against full on
-    that measure as the marker (filled: proven within the margin; open: inconclusive; x: worse); a star marks each
-    family's cliff; full is a diamond with its interval as a grey band; points on the frontier, found on the same
-    memory, sit on grey discs. For a prompt set, each family's worst prompt is a dotted line under its mean."""
+    :func:`kvviz.studies.verdicts.compression_of`), log scale, one line per family. Points carry their 95% interval
+    as error bars and their verdict against full on that measure as the marker (filled: proven within the margin;
+    open: inconclusive; x: worse); a star marks each family's cliff; full is a diamond with its interval as a grey
+    band; points on the frontier, found on the same memory, sit on grey discs. For a prompt set, each family's worst
+    prompt is a dotted line under its mean."""
     measure, layout = MEASURES[measure_key], report.layout
-    reference = next((p for p in report.points if p.spec == "full"), None)
-    x = {p.spec: compression_of(p, reference, layout) for p in report.points if p.error is None}
+    x = {p.spec: compression_of(p, report.full, layout) for p in report.points if p.error is None}
     points = [p for p in report.points if p.error is None and x[p.spec] is not None
               and getattr(p, measure_key) is not None]
     figure = go.Figure()
@@ -55,9 +54,9 @@ def tradeoff_figure(report: SweepReport, measure_key: str) -> go.Figure:
         figure.add_hrect(y0=low, y1=high, fillcolor="rgba(120, 120, 120, 0.15)", line_width=0,
                          annotation_text="full's 95% interval", annotation_position="bottom left")
     on_frontier = set(report.frontiers.get(measure_key, []))
-    ringed = [p for p in points if p.spec in on_frontier]  # rings, not a line: where nothing is proven better,
+    on_disc = [p for p in points if p.spec in on_frontier]  # discs, not a line: where nothing is proven better,
     # points with less memory and a lower score all stay on it, and a line through them would zigzag
-    figure.add_trace(go.Scatter(x=[x[p.spec] for p in ringed], y=[getattr(p, measure_key) for p in ringed],
+    figure.add_trace(go.Scatter(x=[x[p.spec] for p in on_disc], y=[getattr(p, measure_key) for p in on_disc],
                                 name="frontier", mode="markers",
                                 hoverinfo="skip", marker={"size": 26, "color": "rgba(0, 0, 0, 0.13)"}))
     cliffs = {c.spec for c in family_cliffs(report, measure_key).values() if c is not None and c.spec}
