@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
+from kvviz.engine.results import Comparison
 from kvviz.engine.session import encode_prompt
-from kvviz.planning.memory import model_card
+from kvviz.planning.memory import ModelCard, model_card
+from kvviz.planning.planner import Plan, kv_bytes_per_sequence
 from kvviz.runs import AttentionRequest, CompareRequest, RunRequest
 from kvviz.runtime.models import LoadedModel
 from kvviz.studies.needle import NeedlePrompt, build_needle_prompt
@@ -45,7 +47,12 @@ class LessonRun:
     extra: dict = field(default_factory=dict)  # further URL settings for that page
 
     def token_ids(self, tokenizer) -> list[int]:
-        return encode_prompt(tokenizer, self.prompt, chat=self.chat)
+        return encode_prompt(tokenizer, self.prompt, chat=self.chat_on(tokenizer))
+
+    def chat_on(self, tokenizer) -> bool:
+        """The step's chat setting where the model has a chat template; a base model reads the prompt as plain
+        text (what :data:`BASE_MODEL_NOTE` tells the class)."""
+        return self.chat and bool(getattr(tokenizer, "chat_template", None))
 
     def request(self, token_ids: list[int]) -> CompareRequest:
         """The comparison the step runs on the prompt's ``token_ids``."""
@@ -77,6 +84,89 @@ RUNS: dict[str, LessonRun] = {
                         max_new_tokens=16, expected=NEEDLE_CODE),
 }
 AXES_PROMPT_TOKENS, AXES_DEPTH, AXES_NEW_TOKENS = 384, 0.5, 12  # step 6: "The pass key is NNNNN"
+BASE_MODEL_NOTE = (
+    "This model is a base model: it has no chat template, so every step's prompt runs as plain text and the model "
+    "continues it rather than answering a user turn. The steps were calibrated on SmolLM2-135M-Instruct: where the "
+    "full cache does not give the calibrated answer here, the step says so, and its contrast may not show.")
+
+# Step 7: one 2K-token pass-key prompt on each embedded model; full against one eviction at a fixed token budget,
+# measured, then projected to a 32K context with the per-layer-type formula.
+ARCH_PROMPT_TOKENS, ARCH_PROJECTED, ARCH_BUDGET, ARCH_NEW_TOKENS = 2048, 32768, 256, 8
+ARCH_EVICTION = f"streaming_llm:sinks=4,window={ARCH_BUDGET - 4}"
+
+
+@dataclass(frozen=True)
+class ArchitectureRun:
+    """Step 7 on one model: the pass-key prompt (plain text on a base model) and the comparison it runs."""
+
+    prompt: NeedlePrompt
+
+    def request(self) -> CompareRequest:
+        return CompareRequest(tuple(self.prompt.ids), ("full", ARCH_EVICTION), ARCH_NEW_TOKENS)
+
+
+def architecture_run(loaded: LoadedModel) -> ArchitectureRun:
+    return ArchitectureRun(build_needle_prompt(loaded.tokenizer, ARCH_PROMPT_TOKENS, 0.5, chat=loaded.chat))
+
+
+@dataclass(frozen=True)
+class ArchitectureFacts:
+    """What step 7 shows for one model: its attention and layer types, the bytes full and the eviction held on the
+    2K prompt (measured, with the formula beside them), and both projected to 32K tokens by the formula."""
+
+    model: str
+    attention: str
+    kv_heads: int
+    q_heads: int
+    layers: str
+    tokens: int
+    measured_full: int
+    formula_full: int
+    measured_evicted: int
+    formula_evicted: int
+    projected_full: int
+    projected_evicted: int
+    found_full: bool
+    found_evicted: bool
+
+    @property
+    def saved_now(self) -> float:
+        """How many times smaller the eviction's cache is than full's on the measured prompt."""
+        return self.measured_full / max(1, self.measured_evicted)
+
+    @property
+    def saved_projected(self) -> float:
+        return self.projected_full / max(1, self.projected_evicted)
+
+
+def held_bytes(card: ModelCard, tokens: int, budget: int | None = None) -> int:
+    """Bytes the model's cache holds after ``tokens`` tokens, every global layer keeping at most ``budget`` of them
+    (None: all) and every local one its window: the formula per layer type, at the model's own element size."""
+    return kv_bytes_per_sequence(card, Plan(context=tokens, budget=budget, kv_bits=8 * card.bytes_per_element))
+
+
+def architecture_curves(card: ModelCard, facts: ArchitectureFacts
+                        ) -> tuple[dict[str, tuple[list[int], list[int]]], dict[str, tuple[int, int]]]:
+    """Step 7's figure for one model: full and the eviction against context by the formula (256 to 32K tokens), and
+    what the run measured, each under ``<model> full`` and ``<model> streaming``."""
+    contexts = [2**k for k in range(8, 16)]
+    lines, measured = {}, {}
+    for label, budget, held in (("full", None, facts.measured_full), ("streaming", ARCH_BUDGET,
+                                                                     facts.measured_evicted)):
+        lines[f"{facts.model} {label}"] = (contexts, [held_bytes(card, n, budget) for n in contexts])
+        measured[f"{facts.model} {label}"] = (facts.tokens, held)
+    return lines, measured
+
+
+def architecture_facts(loaded: LoadedModel, run: ArchitectureRun, comparison: Comparison) -> ArchitectureFacts:
+    card = model_card(loaded)
+    full, evicted = comparison.results[0], comparison.results[1]
+    tokens = full.total_tokens
+    return ArchitectureFacts(
+        loaded.name, card.attention, card.kv_heads, card.q_heads, card.layer_types.summary(), tokens,
+        full.kv_bytes, held_bytes(card, tokens), evicted.kv_bytes, held_bytes(card, tokens, ARCH_BUDGET),
+        held_bytes(card, ARCH_PROJECTED), held_bytes(card, ARCH_PROJECTED, ARCH_BUDGET),
+        run.prompt.key in full.text, run.prompt.key in evicted.text)
 
 
 def attention_request(loaded: LoadedModel, token_ids: list[int], every_layer: bool = False) -> AttentionRequest:
@@ -114,6 +204,7 @@ def step_requests(loaded: LoadedModel, share: float = 1 / 3) -> dict[str, tuple[
         "heavy": (attention_request(loaded, ids("heavy"), every_layer=True),),
         "needle": (RUNS["needle"].request(ids("needle")),),
         "axes": (axes_run(loaded, share).request(),),
+        "architecture": (architecture_run(loaded).request(),),
     }
 
 

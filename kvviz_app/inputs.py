@@ -21,7 +21,17 @@ from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
 from kvviz_app import plots
 from kvviz_app.chrome import settings
-from kvviz_app.url import linked, read_number, read_text
+from kvviz_app.url import flag_setting, linked, read_number, read_text
+
+
+def chat_setting(loaded: LoadedModel, default: bool, *, key: str, **kwargs) -> bool:
+    """The chat-template toggle (the link's ``chat``); for a model without a chat template (a base model such as
+    Gemma 3 270M) off and disabled, with the reason under it."""
+    if loaded.chat:
+        return flag_setting("Chat template", "chat", default, key=key, **kwargs)
+    st.toggle("Chat template", False, key=f"{key}_unavailable", disabled=True, help=loaded.chat_note)
+    st.caption(loaded.chat_note)
+    return False
 
 
 def prompt_input(key: str, default: str, height: int = 160) -> str | None:

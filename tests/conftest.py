@@ -1,4 +1,4 @@
-"""Shared fixtures: a tiny random-weight GQA Llama (fast) and the real default model (loaded once per session)."""
+"""Shared fixtures: a tiny random-weight GQA Llama (fast) and the real embedded models (each loaded once a session)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,16 @@ def real_model():
     from kvviz.runtime.models import load_model
 
     return load_model(device="cpu")
+
+
+@pytest.fixture(scope="session")
+def gemma_model():
+    """Gemma 3 270M, the second embedded model (converted once), loaded once per session: 18 layers of which 15 slide
+    over a 512-token window, one KV head, a 262K vocabulary. Tests on it are few: each forward costs ~3x SmolLM2's."""
+    from kvviz.runtime.models import load_model
+    from kvviz.runtime.settings import GEMMA_MODEL
+
+    return load_model(GEMMA_MODEL, device="cpu")
 
 
 @pytest.fixture(scope="session")

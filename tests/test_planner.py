@@ -101,3 +101,24 @@ def test_a_measured_configuration_s_layouts_project_onto_a_shape_as_sequences_pe
     assert paged.max_sequences == full.max_sequences
     assert counted.share_of_full == 0.25 and counted.max_sequences >= 4 * full.max_sequences
     assert counted.max_sequences > per_head.max_sequences > paged.max_sequences
+
+
+def test_gemma3_family_caps_its_local_layers_at_the_window_and_eviction_buys_only_on_global_ones(catalog):
+    sizes = {"Gemma-3-270M": (18, 3, 512), "Gemma-3-1B": (26, 4, 512), "Gemma-3-4B": (34, 5, 1024),
+             "Gemma-3-12B": (48, 8, 1024), "Gemma-3-27B": (62, 10, 1024)}
+    for name, (layers, global_layers, window) in sizes.items():
+        types = catalog.card(name).layer_types
+        assert (len(types), types.global_layers, types.window) == (layers, global_layers, window)
+        assert types.windows[5] is None and types.windows[0] == window  # five local layers, then a global one
+    card = catalog.card("Gemma-3-270M")  # MQA: 1 KV head of 256 dims, 2 * 256 * 2 B = 1 KiB per layer and token
+    assert card.kv_bytes(32768) == 1024 * (3 * 32768 + 15 * 511)
+    assert card.kv_bytes(300) == card.kv_bytes_per_token * 300  # inside the window every layer holds every token
+    assert card.global_kv_bytes_per_token == 3 * 1024
+    full = make_plan(card, 2.68e8, Plan(context=32768))
+    evicted = make_plan(card, 2.68e8, Plan(context=32768, budget=1024))
+    assert full.kv_bytes_per_sequence == full.kv_bytes_full_per_sequence == card.kv_bytes(32768, bytes_per_element=2)
+    assert evicted.kv_bytes_per_sequence == 1024 * (3 * 1024 + 15 * 511)  # the local layers keep their windows
+    assert "15 local layers" in card.formula_text(32768) and "min(32768, 512 - 1)" in card.formula_text(32768)
+    mistral = catalog.card("Mistral-7B-v0.1")
+    assert mistral.layer_types.local_layers == 32 and mistral.kv_bytes(8192) == mistral.kv_bytes(4095)
+    assert "past the 512-token window (3 global layers)" in attention_variants(card)

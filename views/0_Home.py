@@ -5,6 +5,7 @@ import plotly.express as px
 import streamlit as st
 
 from kvviz.planning.memory import model_card
+from kvviz.runtime.embedded import embedded
 from kvviz_app.chrome import device_status, model_picker, page_header
 
 page_header(
@@ -21,26 +22,34 @@ if loaded is None:
     st.stop()
 
 card = model_card(loaded)
+types = card.layer_types
+embedded_model = embedded(loaded.name)
+rows = {
+    "architecture": card.architecture, "layers": types.summary(), "query heads": card.q_heads,
+    "KV heads": card.kv_heads, "head dim": card.head_dim, "attention": card.attention, "context": card.context_length,
+    "dtype": card.dtype, "weights": f"{card.weight_bytes / 2**20:,.1f} MiB",
+    "KV per token": f"{card.kv_bytes_per_token / 2**10:,.1f} KiB" + (" inside the window" if types.has_local else ""),
+}
+if types.has_local:
+    rows["KV per token past the window"] = (f"{card.global_kv_bytes_per_token / 2**10:,.1f} KiB "
+                                            f"({types.global_layers} global layers)")
+rows["chat template"] = "yes" if loaded.chat else "none (a base model: chat is off)"
+if embedded_model is not None:
+    rows["terms"] = embedded_model.terms
 left, right = st.columns([3, 2])
 with left:
     st.subheader("Model card")
-    st.table(pd.DataFrame(
-        {
-            "value": [
-                card.architecture, card.layers, card.q_heads, card.kv_heads, card.head_dim, card.attention,
-                card.sliding_window_layers, card.context_length, card.dtype, f"{card.weight_bytes / 2**20:,.1f} MiB",
-                f"{card.kv_bytes_per_token / 2**10:,.1f} KiB",
-            ]
-        },
-        index=["architecture", "layers", "query heads", "KV heads", "head dim", "attention", "sliding-window layers",
-               "context", "dtype", "weights", "KV per token"],
-    ).astype(str))
+    st.table(pd.DataFrame({"value": list(rows.values())}, index=list(rows)).astype(str))
+    if types.has_local:
+        st.caption(f"Layer types: {', '.join(f'{index}: {kind}' for index, kind in enumerate(types.labels()))}. A "
+                   f"local layer attends to the last {types.window} tokens only, so it holds at most "
+                   f"{types.window - 1} of them; a global layer holds every token.")
 with right:
     st.subheader("Device")
     for key, value in device_status(loaded).items():
         st.metric(key, value)
 
-st.subheader("The KV formula, live")
+st.subheader("The KV formula, live" + (", per layer type" if types.has_local else ""))
 col_seq, col_batch = st.columns(2)
 longest = max(256, card.context_length or 8192)
 seq_len = col_seq.slider("Context length (tokens)", 128, longest, min(4096, longest), step=128, key="seq_len")
@@ -52,7 +61,9 @@ st.metric("KV cache", f"{kv / 2**20:,.1f} MiB", delta=f"{kv / max(1, card.weight
 lengths = [2**k for k in range(7, 16) if 2**k <= longest]
 frame = pd.DataFrame({"context": lengths, "KV cache (MiB)": [card.kv_bytes(n, batch) / 2**20 for n in lengths]})
 figure = px.line(frame, x="context", y="KV cache (MiB)", markers=True,
-                 title=f"KV cache grows linearly with context (batch {batch})")
+                 title=f"KV cache grows linearly with context (batch {batch})" if not types.has_local else
+                 f"KV cache with context (batch {batch}): past {types.window} tokens only the "
+                 f"{types.global_layers} global layers grow")
 figure.add_hline(y=card.weight_bytes / 2**20, line_dash="dot", annotation_text="weights")
 st.plotly_chart(figure, width="stretch")
 

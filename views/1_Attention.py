@@ -6,9 +6,9 @@ from kvviz.planning.memory import model_card
 from kvviz.runs import MATRIX_SIZE, AttentionRequest
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
-from kvviz_app.inputs import encode, prompt_input, token_texts
+from kvviz_app.inputs import chat_setting, encode, prompt_input, token_texts
 from kvviz_app.results import result_for
-from kvviz_app.url import flag_setting, linked, number_setting, read_number, share_settings
+from kvviz_app.url import linked, number_setting, read_number, share_settings
 
 DEFAULT_PROMPT = (
     "The committee met on Tuesday to decide where the new bridge should go. The engineers preferred the northern "
@@ -29,7 +29,7 @@ card = model_card(loaded)
 
 with st.sidebar:
     st.subheader("Capture")
-    chat = flag_setting("Chat template", "chat", False, key="chat")
+    chat = chat_setting(loaded, False, key="chat")
     sinks = number_setting("Sink tokens", "sinks", 4, 1, 16, key="sinks",
                            help="How many leading tokens count as attention sinks.")
     layer = number_setting("Layer", "layer", card.layers // 2, 0, card.layers - 1, key="layer", slider=True)

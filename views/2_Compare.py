@@ -14,11 +14,18 @@ from kvviz.runs import CompareRequest
 from kvviz.runtime.models import LoadedModel
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
-from kvviz_app.inputs import encode, item_from_link, method_output, native_report, prompt_input, token_texts
+from kvviz_app.inputs import (
+    chat_setting,
+    encode,
+    item_from_link,
+    method_output,
+    native_report,
+    prompt_input,
+    token_texts,
+)
 from kvviz_app.results import run_button, run_pressed
 from kvviz_app.url import (
     choice_setting,
-    flag_setting,
     linked,
     number_setting,
     plural,
@@ -59,7 +66,7 @@ cap = settings().max_new_tokens
 with st.sidebar:
     st.subheader("Generation")
     max_new = number_setting("Max new tokens", "n", min(cap, 24), 1, cap, key="max_new")
-    chat = flag_setting("Chat template", "chat", True, key="chat",
+    chat = chat_setting(loaded, True, key="chat",
                         help="Wrap the prompt as one user turn, as the instruct model expects.")
 
 item = item_from_link(loaded)  # a Trade-offs sweep's item, opened here on its own
@@ -115,7 +122,10 @@ def memory_view(loaded: LoadedModel, comparison: Comparison, measured: list) -> 
     if memory.empty:
         st.caption("No configuration finished, so there is no memory to show.")
         return
-    st.plotly_chart(plots.memory_figure(memory, model_card(loaded).weight_bytes), width="stretch")
+    card = model_card(loaded)
+    st.plotly_chart(plots.memory_figure(memory, card.weight_bytes), width="stretch")
+    st.plotly_chart(plots.layer_bytes_figure({r.method: r.kv_bytes_per_layer for r in measured},
+                                             card.layer_types.labels()), width="stretch")
     st.plotly_chart(plots.axis_factors_figure({r.method: r.axis_factors.to_json() for r in measured
                                                if r.axis_factors is not None}), width="stretch")
     layouts_view(comparison)
@@ -170,10 +180,13 @@ def kept_view(loaded: LoadedModel, comparison: Comparison, measured: list) -> No
     mask = result.ledger.kept_mask(step, comparison.prompt_tokens)[layer]
     prompt_tokens = token_texts(loaded.name, tuple(comparison.prompt_ids), loaded.tokenizer)
     fraction = plots.kept_fraction(mask)
-    st.caption(f"{chosen}, layer {layer}, after step {step}: {fraction.mean():.0%} of prompt tokens cached "
-               "(green: every KV head kept it, amber: some, red: none).")
+    kind = card.layer_types.kind(layer)
+    window = "" if kind == "global" else (f" A {kind} layer keeps at most the last {card.layer_types.window - 1} "
+                                          "tokens whatever the method: the model's own attention never reads further.")
+    st.caption(f"{chosen}, layer {layer} ({kind}), after step {step}: {fraction.mean():.0%} of prompt tokens cached "
+               f"(green: every KV head kept it, amber: some, red: none).{window}")
     st.html(plots.kept_map_html(prompt_tokens, fraction))
-    st.plotly_chart(plots.kept_heatmap(mask, layer, chosen), width="stretch")
+    st.plotly_chart(plots.kept_heatmap(mask, f"{layer} ({kind})", chosen), width="stretch")
 
 
 def diagnostics_section(loaded: LoadedModel, comparison: Comparison) -> None:

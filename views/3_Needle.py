@@ -9,8 +9,9 @@ from kvviz.runs import NeedleRequest
 from kvviz.studies.needle import MODES
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model
+from kvviz_app.inputs import chat_setting
 from kvviz_app.results import run_button, run_pressed
-from kvviz_app.url import choice_setting, choices_setting, flag_setting, number_setting, plural, share_settings
+from kvviz_app.url import choice_setting, choices_setting, number_setting, plural, share_settings
 from kvviz_app.widgets import method_grid
 
 LENGTHS = [128, 256, 512, 1024, 2048, 4096]
@@ -34,7 +35,7 @@ with st.sidebar:
     mode = choice_setting("Mode", "mode", MODES, MODES[0], key="mode", widget=st.radio,
                           help="query_aware compresses the prompt with the question in it; query_agnostic compresses "
                                "the context alone and asks afterwards (a cache reused for many questions).")
-    chat = flag_setting("Chat template", "chat", True, key="chat")
+    chat = chat_setting(loaded, True, key="chat")
     max_new = number_setting("Max new tokens", "n", 12, 4, 32, key="needle_n")
 
 grid = method_grid("needle", [s for s in ("full", budget_spec("streaming_llm", 64), budget_spec("snapkv", 64)) if s],

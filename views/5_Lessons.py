@@ -10,12 +10,14 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
+from kvviz import lessons
 from kvviz.engine.results import Comparison, MethodResult
 from kvviz.lessons import NEEDLE_CODE, RUNS, SINKS, LessonRun, attention_request, axes_run, is_filler_token, span_of
 from kvviz.planning.memory import ModelCard, model_card
-from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.embedded import EMBEDDED
+from kvviz.runtime.models import LoadedModel, ModelError
 from kvviz_app import plots
-from kvviz_app.chrome import page_header, require_model
+from kvviz_app.chrome import cached_model, page_header, require_model
 from kvviz_app.inputs import encode, method_output, token_texts
 from kvviz_app.results import result_for, stays_pressed
 from kvviz_app.url import linked, read_number, share_settings
@@ -56,7 +58,7 @@ def open_elsewhere(run: LessonRun, label: str | None = None) -> None:
 
 
 def comparison_of(loaded: LoadedModel, run: LessonRun) -> Comparison | None:
-    ids = encode(loaded, run.prompt, run.chat, run.max_new_tokens)
+    ids = encode(loaded, run.prompt, run.chat_on(loaded.tokenizer), run.max_new_tokens)
     return None if ids is None else result_for(loaded, run.request(ids))
 
 
@@ -109,6 +111,10 @@ the KV cache. It never shrinks on its own: one more token, one more slice in eve
 
 For this model one token costs **{card.kv_bytes_per_token:,} bytes**:
 """)
+    if card.layer_types.has_local:
+        st.markdown(f"Not every layer keeps every token here: {card.layer_types.summary()}. A local layer holds "
+                    f"at most {card.layer_types.window - 1} tokens, so past its window a token costs only the global "
+                    f"layers' {card.global_kv_bytes_per_token:,} bytes (step 7). This prompt fits in the window.")
     st.code(card.formula_text(1), language="text")
     st.markdown("Press the button to answer a question about a short story and watch the cache grow by the same "
                 "amount at every step: a straight line whose slope is the formula above.")
@@ -190,7 +196,7 @@ sink tokens next to the window (the StreamingLLM recipe) avoids that.
 """)
     run = RUNS["sinks"]
     if step.live("Measure the sinks"):
-        ids = encode(loaded, run.prompt, run.chat)
+        ids = encode(loaded, run.prompt, run.chat_on(loaded.tokenizer))
         if ids is None:
             return
         stats = result_for(loaded, attention_request(loaded, ids), "Running the prompt…")
@@ -228,7 +234,7 @@ first four tokens (the sinks) are left out of the colour scale so the heavy hitt
 """)
     run = RUNS["heavy"]
     if step.live("Find the heavy hitters"):
-        ids = encode(loaded, run.prompt, run.chat)
+        ids = encode(loaded, run.prompt, run.chat_on(loaded.tokenizer))
         if ids is None:
             return
         stats = result_for(loaded, attention_request(loaded, ids, every_layer=True),
@@ -329,12 +335,59 @@ shows what converting a model after the fact costs. The prompt hides a pass key 
                    f"this {card.dtype} model); the token budget is SnapKV's, a share of the prompt.")
 
 
+@step("7 · One KV head and a window")
+def architecture(step: Step) -> None:
+    """Step 7: GQA on every layer (SmolLM2) against MQA with most layers on a window (Gemma 3), both measured."""
+    st.markdown(f"""
+Architecture sets the cache's size before any method runs. The two embedded models show it on one machine:
+**SmolLM2-135M** has 30 global layers and **GQA**, 9 query heads sharing 3 KV heads; **Gemma 3 270M** has **MQA**,
+4 query heads sharing 1 KV head, and 15 of its 18 layers are **local**: each attends to the last 512 tokens only, so
+it never holds more than 511. Only its 3 global layers grow with the text.
+
+Both read one {lessons.ARCH_PROMPT_TOKENS:,}-token pass-key prompt, with `full` and with `{lessons.ARCH_EVICTION}`
+({lessons.ARCH_BUDGET} tokens per head on every global layer; local layers keep their window, as kvviz's methods
+leave them). The formula, per layer type, then projects both to {lessons.ARCH_PROJECTED:,} tokens.
+""")
+    if step.live("Measure both models"):
+        facts, lines, measured = [], {}, {}
+        for name in EMBEDDED:
+            try:
+                loaded = step.loaded if name == step.loaded.name else cached_model(name)
+            except ModelError as error:
+                st.error(f"{name} cannot load here: {error}")
+                return
+            run = lessons.architecture_run(loaded)
+            fact = lessons.architecture_facts(loaded, run, result_for(loaded, run.request(), f"{name}: the prompt…"))
+            facts.append(fact)
+            curves, points = lessons.architecture_curves(model_card(loaded), fact)
+            lines, measured = lines | curves, measured | points
+        st.dataframe(pd.DataFrame([{
+            "model": f.model, "attention": f"{f.attention}: {f.kv_heads} KV of {f.q_heads} heads", "layers": f.layers,
+            "tokens": f.tokens, "full (MiB)": round(f.measured_full / 2**20, 2),
+            "formula": round(f.formula_full / 2**20, 2), "evicted (MiB)": round(f.measured_evicted / 2**20, 2),
+            "eviction saves": f"{f.saved_now:.1f}x", "full at 32K": round(f.projected_full / 2**20),
+            "evicted at 32K": round(f.projected_evicted / 2**20), "saves at 32K": f"{f.saved_projected:.0f}x",
+            "key found (full, evicted)": f"{f.found_full}, {f.found_evicted}"} for f in facts]),
+            hide_index=True, width="stretch")
+        st.plotly_chart(plots.architecture_figure(lines, measured), width="stretch")
+        small, gemma = facts
+        notice(f"at about {lessons.ARCH_PROMPT_TOKENS:,} tokens Gemma's full cache is "
+               f"{small.measured_full / gemma.measured_full:.1f}x smaller than SmolLM2's. Eviction to "
+               f"{lessons.ARCH_BUDGET} tokens saves SmolLM2 {small.saved_now:.1f}x but Gemma only "
+               f"{gemma.saved_now:.1f}x: 15 of its 18 layers held no more than 511 tokens anyway. At "
+               f"{lessons.ARCH_PROJECTED:,} tokens the same eviction saves Gemma {gemma.saved_projected:.0f}x: its "
+               "global layers are where a long context lives. SmolLM2's context is 8,192 tokens: its 32K figures "
+               "are the formula only.")
+
+
 page_header("Lessons", f"Lessons: KV caches in {len(STEPS)} steps",
             "A walkthrough for a class. Read a step, press its button, and the real model runs on this server; "
             "numbers and outputs are measured, not pre-recorded.", link_settings=("step",))
 
 loaded = require_model()
 card = model_card(loaded)
+if not loaded.chat:
+    st.info(lessons.BASE_MODEL_NOTE, icon="ℹ️")
 titles = [title for title, _ in STEPS]
 chosen = linked("step", read_number("step", 1, 1, len(titles)), lambda number: st.radio(
     "Step", titles, index=number - 1, horizontal=True, key="step"))

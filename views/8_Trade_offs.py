@@ -19,10 +19,10 @@ from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, judged_report
 from kvviz.studies.workloads import DEFAULT_ITEMS, SWEEP_TASKS, PromptWorkload, TaskWorkload, TextWorkload
 from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
-from kvviz_app.inputs import prompt_set_input
+from kvviz_app.inputs import chat_setting, prompt_set_input
 from kvviz_app.results import run_button, run_pressed
 from kvviz_app.tradeoffs import compare_link, families_from_link, item_link, sweep_cluster
-from kvviz_app.url import Read, choice_setting, choices_setting, flag_setting, linked, number_setting, share_settings
+from kvviz_app.url import Read, choice_setting, choices_setting, linked, number_setting, share_settings
 
 DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py)
 # The page's first run: three axis ideas (a position window, a query-aware selection, a quantizer) on 32 multikey
@@ -77,7 +77,7 @@ with st.sidebar:
     cap = limits.max_new_tokens
     max_new = number_setting("Tokens per prompt", "n", min(cap, 24), 1, cap, key="sweep_max_new",
                              disabled=workload_kind != "prompt")
-    chat = flag_setting("Chat template", "chat", True, key="sweep_chat", disabled=workload_kind != "prompt")
+    chat = chat_setting(loaded, True, key="sweep_chat", disabled=workload_kind != "prompt")
     items = number_setting("Items", "items", min(DEFAULT_ITEMS, limits.max_items), 1, limits.max_items,
                            key="sweep_items", disabled=workload_kind != "task",
                            help=f"Items at depths spread over the context. At 80% accuracy, 32 items give a 95% "

@@ -4,7 +4,8 @@ KV bytes = full bytes * architecture factor * eviction factor * quantization fac
 
 - architecture: stored elements per token over the model's ``2 * kv_heads * head_dim`` (``G / kv_heads`` for merged
   heads, ``(rank + v_rank) / (2 * kv_heads * head_dim)`` for a low-rank latent);
-- eviction: tokens kept over tokens seen;
+- eviction: tokens kept over the tokens the full cache holds (every token on a global layer, the window on a local
+  one: what a local layer drops by itself is not the method's doing);
 - quantization: stored bits per element (codes and metadata, plus any full-precision residual) over the dtype's bits.
 
 :func:`axis_factors` reads the three off a finished cache, so the product equals the measured bytes up to what a
@@ -105,8 +106,8 @@ def axis_factors(cache, kv_heads: int, head_dim: int, tokens_seen: int, bytes_pe
     ``value_dim``: a cached value's width where it differs from a key's ``head_dim`` (MLA models).
     """
     stack = cache.stack
-    layers = len(cache.layers)
-    full = full_bytes or 2 * layers * kv_heads * head_dim * tokens_seen * bytes_per_element
+    held = cache.layer_types.held_total(tokens_seen)  # tokens the full cache holds, summed over layers (per type)
+    full = full_bytes or 2 * kv_heads * head_dim * held * bytes_per_element
     value_dim = value_dim or head_dim
     architecture, stored_key, stored_value = 1.0, head_dim, value_dim
     if stack.architecture is not None:
@@ -115,7 +116,7 @@ def axis_factors(cache, kv_heads: int, head_dim: int, tokens_seen: int, bytes_pe
         stored_value = stack.architecture.stored_dim(kv_heads, value_dim)
     heads = cache.layers[0].positions.shape[1]
     kept = sum(layer.positions[0].numel() for layer in cache.layers)  # entries over every layer and stored head
-    eviction = kept / (layers * heads * tokens_seen)
+    eviction = kept / (heads * held)  # of what the full cache holds: a local layer's window is not eviction
     quantization = 1.0
     if stack.quantization is not None:
         try:

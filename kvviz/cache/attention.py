@@ -8,6 +8,10 @@ caller decides travels with the model call, as transformers passes a call's extr
 call: the caller's ``listeners``, and what a kvviz cache adds (the slots to skip, a batch's rows over their own keys,
 a method's own listener) as its ``key_source`` (:class:`KeySource`). What to record is :mod:`kvviz.cache.capture`;
 the recorder that folds the blocks into statistics is :mod:`kvviz.cache.stats`.
+
+What the model's attention module passes is honoured as its own attention would: ``sliding_window`` (a local layer's
+queries see only the keys inside their window, in the masks kvviz builds for a batch of caches) and ``softcap``
+(Gemma 2's logits soft-capped by tanh before the mask, which SDPA cannot do: such layers always run explicit).
 """
 
 from __future__ import annotations
@@ -80,20 +84,22 @@ class KeySource(Protocol):
 
 
 def _with_padding_mask(attention_mask: torch.Tensor | None, padding: torch.Tensor, q_heads: int,
-                       q_len: int) -> torch.Tensor:
+                       q_len: int, window: int | None = None) -> torch.Tensor:
     """A per-query-head bool mask [B, H_q, q, T] (True = attend) that also hides ``padding`` [B, H_kv, T]."""
     batch, kv_heads, k_len = padding.shape
     allowed = (~padding).repeat_interleave(q_heads // kv_heads, dim=1).unsqueeze(2)  # [B, H_q, 1, T]
     if attention_mask is None:
-        return allowed & _causal(q_len, k_len, padding.device)
+        return allowed & _causal(q_len, k_len, padding.device, window)
     if attention_mask.dtype == torch.bool:
         return allowed & attention_mask[..., :k_len]
     return allowed & (attention_mask[..., :k_len] == 0)
 
 
-def _causal(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
-    """[q, T] True where a query may attend: the queries are the last ``q_len`` tokens of the ``k_len`` keys."""
-    return torch.arange(k_len, device=device) <= torch.arange(q_len, device=device).unsqueeze(1) + k_len - q_len
+def _causal(q_len: int, k_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+    """[q, T] True where a query may attend: the queries are the last ``q_len`` tokens of the ``k_len`` keys, which
+    sit at consecutive positions; with a ``window``, only the keys less than ``window`` positions back."""
+    distance = torch.arange(q_len, device=device).unsqueeze(1) + k_len - q_len - torch.arange(k_len, device=device)
+    return (distance >= 0) if window is None else (distance >= 0) & (distance < window)
 
 
 def _block_rows(row_bytes: int, q_len: int, device: torch.device) -> int:
@@ -111,13 +117,15 @@ def _explicit_attention(
     scaling: float,
     listeners: list[AttentionListener],
     first_query: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Softmax attention in query blocks; GQA handled by grouping query heads over their shared KV head.
 
     kvviz caches are append-only, so a query never attends to keys stored after it: each block computes only the
     keys its last query can see (causal work, as SDPA does). Listeners that set ``partial_keys`` receive that
     narrower block; the others get it zero-padded to every key. Only queries from ``first_query`` on are computed
-    (the output rows before it are left unset).
+    (the output rows before it are left unset). ``softcap``: logits become ``softcap * tanh(logits / softcap)``
+    before the mask (Gemma 2).
     """
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -136,6 +144,8 @@ def _explicit_attention(
         rows, width = stop - start, min(k_len, causal_offset + stop)
         block_query = grouped[:, :, start:stop].reshape(pairs, group * rows, head_dim)
         scores = torch.bmm(block_query, keys_t[:, :, :width]).float()
+        if softcap:
+            scores.div_(softcap).tanh_().mul_(softcap)
         grid = scores.view(batch, kv_heads, group, rows, width)
         if attention_mask is not None:
             mask = attention_mask[:, :, start:stop, :width]
@@ -207,6 +217,7 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
     """
     layer_idx = getattr(module, "layer_idx", 0)
     listeners = [listener for listener in listeners if listener.wants(layer_idx)]
+    window = kwargs.get("sliding_window")
     if key_source is None:
         return _attend(module, query, key, value, attention_mask, scaling, dropout, listeners, **kwargs)
     parts = key_source.key_parts(layer_idx, key, value)
@@ -214,7 +225,7 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         part = parts[0]
         if part.hidden is not None and part.hidden.shape[-1] == part.keys.shape[2]:
             attention_mask = _with_padding_mask(attention_mask, part.hidden.to(key.device), query.shape[1],
-                                                query.shape[2])
+                                                query.shape[2], window)
         own = [part.listener] if part.listener is not None else []
         return _attend(module, query, part.keys, part.values, attention_mask, scaling, dropout, listeners + own,
                        **kwargs)
@@ -223,9 +234,12 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
         rows = query[part.rows] if part.queries is None else query[part.rows, :, :part.queries]
         q_len, k_len = rows.shape[2], part.keys.shape[2]
         if part.hidden is not None:
-            mask = _with_padding_mask(None, part.hidden.to(key.device), rows.shape[1], q_len)
-        else:  # SDPA's own causal mask aligns queries with the first keys: right only when there are no others
-            mask = _causal(q_len, k_len, key.device).view(1, 1, q_len, k_len) if 1 < q_len < k_len else None
+            mask = _with_padding_mask(None, part.hidden.to(key.device), rows.shape[1], q_len, window)
+        elif q_len > 1 and (q_len < k_len or (window is not None and window < k_len)):
+            # SDPA's own causal mask aligns queries with the first keys and knows no window
+            mask = _causal(q_len, k_len, key.device, window).view(1, 1, q_len, k_len)
+        else:  # one query sees every key it is given (a local layer holds only its window)
+            mask = None
         own = [part.listener] if part.listener is not None else []
         output = _attend(module, rows, part.keys, part.values, mask, scaling, dropout, own, **kwargs)[0]
         if q_len < query.shape[2]:
@@ -236,16 +250,19 @@ def kvviz_attention(module, query, key, value, attention_mask, dropout=0.0, scal
 
 def _attend(module, query, key, value, attention_mask, scaling, dropout, listeners: list[AttentionListener],
             **kwargs):
-    """Attention of ``query`` over ``key``/``value``: SDPA when nobody listens, else explicit where listened."""
+    """Attention of ``query`` over ``key``/``value``: SDPA when nobody listens, else explicit where listened (and
+    always where logits are soft-capped, which SDPA cannot do)."""
     layer_idx = getattr(module, "layer_idx", 0)
-    if not listeners:
+    softcap = kwargs.get("softcap")
+    if not listeners and not softcap:
         return _sdpa(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     q_len = query.shape[2]
-    rows = max(rows_wanted(listener, layer_idx, q_len) for listener in listeners)
-    if rows == q_len:
-        return _explicit_attention(module, query, key, value, attention_mask, scaling, listeners), None
+    rows = max((rows_wanted(listener, layer_idx, q_len) for listener in listeners), default=q_len)
+    if rows == q_len or softcap:
+        return _explicit_attention(module, query, key, value, attention_mask, scaling, listeners,
+                                   softcap=softcap), None
     # listeners want only the last queries (an observation window) and perhaps every query's sink mass: SDPA for
     # the output (with a sink channel), explicit rows for the window
     sinks = max(sinks_wanted(listener, layer_idx) for listener in listeners)

@@ -16,15 +16,43 @@ KEPT = -1
 
 @dataclass
 class EvictionLedger:
+    """``windows``: per layer, a local layer's sliding window (None: global); a local layer's entries that slid out
+    of its window are recorded like evictions, at the step they left (:meth:`slid_out` tells them apart)."""
+
     num_layers: int
     kv_heads: int
     prompt_length: int
     evicted_at: torch.Tensor  # [layers, kv_heads, capacity] int32
+    windows: tuple[int | None, ...] = ()
 
     @classmethod
-    def empty(cls, num_layers: int, kv_heads: int, prompt_length: int, capacity: int) -> EvictionLedger:
+    def empty(cls, num_layers: int, kv_heads: int, prompt_length: int, capacity: int,
+              windows: tuple[int | None, ...] = ()) -> EvictionLedger:
         table = torch.full((num_layers, kv_heads, capacity), KEPT, dtype=torch.int32)
-        return cls(num_layers, kv_heads, prompt_length, table)
+        return cls(num_layers, kv_heads, prompt_length, table, tuple(windows))
+
+    def window(self, layer_idx: int) -> int | None:
+        """Layer ``layer_idx``'s sliding window, or None for a global layer."""
+        return self.windows[layer_idx] if self.windows else None
+
+    def layer_kinds(self) -> list[str]:
+        """``global`` or ``local W`` per layer, as the pages label kept maps."""
+        return ["global" if self.window(layer) is None else f"local {self.window(layer)}"
+                for layer in range(self.num_layers)]
+
+    def slid_out(self, layer_idx: int, length: int | None = None) -> torch.Tensor:
+        """[kv_heads, length] True where a local layer dropped the token because its window moved past it (at the
+        step the model's own cache drops it), not because a method chose to; all False on a global layer."""
+        length = self.length if length is None else length
+        table = self.evicted_at[layer_idx, :, :length]
+        window = self.window(layer_idx)
+        if window is None:
+            return torch.zeros_like(table, dtype=torch.bool)
+        positions = torch.arange(length)
+        # a token at position p leaves a local layer once the newest token is p + window - 1: the prompt's last
+        # token is prompt_length - 1 (step 0), decode step s feeds position prompt_length - 1 + s
+        leaves = (positions + window - self.prompt_length).clamp_min(0)
+        return (table >= 0) & (table == leaves)
 
     @property
     def length(self) -> int:
@@ -55,7 +83,7 @@ class EvictionLedger:
         """A copy covering exactly ``total_length`` tokens (drops unused growth room)."""
         self.ensure(total_length)
         return EvictionLedger(self.num_layers, self.kv_heads, self.prompt_length,
-                              self.evicted_at[..., :total_length].clone())
+                              self.evicted_at[..., :total_length].clone(), self.windows)
 
     def kept_mask(self, step: int, length: int | None = None) -> torch.Tensor:
         """[layers, kv_heads, length] True where the token was cached after ``step`` (and had arrived by then)."""
@@ -79,6 +107,7 @@ class EvictionLedger:
 
         ``evicted_at``: per layer, per KV head, a list of [position, step] pairs for evicted tokens only.
         ``kept_per_layer``: per layer, tokens still cached per KV head at the end.
+        ``layer_types``: per layer, ``global`` or ``local W`` (a local layer's window drops count as evictions).
         """
         table = self.evicted_at[..., :total_length]
         evicted = [
@@ -89,6 +118,7 @@ class EvictionLedger:
             "encoding": "evicted_at[layer][kv_head] = [[position, step], ...]; step 0 = prefill, s = decode step s",
             "prompt_length": self.prompt_length,
             "total_length": total_length,
+            "layer_types": self.layer_kinds(),
             "kept_per_layer": (table == KEPT).sum(dim=-1).tolist(),
             "evicted_at": [
                 [[[p, int(table[layer, head, p])] for p in evicted[layer][head]] for head in range(self.kv_heads)]

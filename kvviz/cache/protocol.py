@@ -88,6 +88,20 @@ class Schedule:
         return CaptureConfig(windows=self.windows, layer_inputs=self.layer_inputs, all_queries=self.prefill_attention)
 
 
+class OnLocal(Enum):
+    """What an eviction method does on a local (sliding-window) layer, which holds at most its window whatever the
+    method does (:mod:`kvviz.cache.layer_types`).
+
+    GLOBAL_ONLY: the method evicts on global layers only; a local layer holds its window as the model does (the
+    method's scores and budget are about long-range memory, which local layers do not have).
+    WITHIN_WINDOW: the method also selects on local layers, over the entries the layer holds (its window), so its
+    budget is counted over what each layer really holds: a positional policy narrower than the window narrows it.
+    """
+
+    GLOBAL_ONLY = "global layers only; local layers keep their window"
+    WITHIN_WINDOW = "every layer, over what it holds (a local layer: at most its window)"
+
+
 class EvictionMethod(Method):
     """Decides which cached entries each layer keeps.
 
@@ -95,10 +109,12 @@ class EvictionMethod(Method):
     attribute, or an instance's own when it depends on the parameters (SnapKV's window).
     ``rerotate``: cached keys take their positions inside the cache (StreamingLLM's position shift); such a method
     keeps the same entries in every head, so one set of rotary positions serves them all.
+    ``on_local_layers``: what it does on a local (sliding-window) layer (:class:`OnLocal`).
     """
 
     kind = "eviction"
     schedule: Schedule = Schedule()
+    on_local_layers: ClassVar[OnLocal] = OnLocal.GLOBAL_ONLY
     stacks_with_architecture: ClassVar[bool] = True  # False: refused next to merge_heads / lowrank, with the reason
     why_not_with_architecture: ClassVar[str] = ""
 
@@ -132,8 +148,19 @@ class EvictionMethod(Method):
 
     def layer_budget_for(self, prompt_length: int, layer_idx: int, layers: int) -> int | None:
         """Tokens kept per head in layer ``layer_idx`` of ``layers`` at steady state: :meth:`budget_for` unless
-        the method spreads its budget over layers (pyramidkv, per_layer)."""
+        the method spreads its budget over layers (pyramidkv, per_layer). A local layer's window caps it further
+        (:meth:`held_budget`)."""
         return self.budget_for(prompt_length)
+
+    def held_budget(self, prompt_length: int, layer_idx: int, layers: int, window: int | None) -> int | None:
+        """Tokens a layer holds per head at steady state, its window included: a local layer (``window`` set) holds
+        at most ``window - 1``, and under GLOBAL_ONLY exactly what its window holds; None when unbounded."""
+        if window is None:
+            return self.layer_budget_for(prompt_length, layer_idx, layers)
+        if self.on_local_layers is OnLocal.GLOBAL_ONLY:
+            return window - 1
+        budget = self.layer_budget_for(prompt_length, layer_idx, layers)
+        return window - 1 if budget is None else min(budget, window - 1)
 
     @classmethod
     def at_budget(cls, tokens: int, prompt_length: int | None = None) -> EvictionMethod | None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvviz.cache.layer_types import text_config
 from kvviz.cache.spec import SpecError
 
 
@@ -16,9 +17,23 @@ class KeyRotator:
 
     It reads ``inv_freq`` (which RoPE variants that rescale with length keep up to date) instead of calling the
     rotary module: the module's autocast guard costs more than rotating a few sink keys, once per layer and step.
+    ``layers``: one rotator per decoder layer where layers rotate with different frequencies (Gemma 3: local layers
+    at base 10K, global ones at 1M); empty when every layer shares ``inv_freq``. ``refusal``: why moving this model's
+    keys along the rotary axis would not be exact (RoPE on part of each key, interleaved pairs), or empty.
     """
 
     inv_freq: torch.Tensor
+    layers: tuple[KeyRotator, ...] = ()
+    refusal: str = ""
+
+    def for_layer(self, layer_idx: int) -> KeyRotator:
+        """The rotator of decoder layer ``layer_idx``."""
+        return self.layers[layer_idx] if self.layers else self
+
+    def check(self) -> None:
+        """SpecError when keys cannot be moved exactly on this model (the feature named)."""
+        if self.refusal:
+            raise SpecError(f"re-rotating cached keys is not exact on this model: {self.refusal}")
 
     def angles(self, delta: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [..., D] of the rotation by ``delta`` positions."""
@@ -32,11 +47,36 @@ class KeyRotator:
         return keys * cos + torch.cat([-keys[..., half:], keys[..., :half]], dim=-1) * sin
 
 
+def _rotary_refusal(config) -> str:
+    """Why rotate-half over the whole key is not how this model applies RoPE, or empty."""
+    partial = getattr(config, "partial_rotary_factor", None) or 1.0
+    no_rope = getattr(config, "no_rope_layers", None)
+    if getattr(config, "qk_nope_head_dim", None):
+        return "RoPE covers only part of each key (MLA's qk_rope_head_dim)"
+    if getattr(config, "rope_interleave", None):
+        return "RoPE rotates interleaved channel pairs"
+    if partial < 1.0:
+        return f"RoPE covers only part of each key (partial_rotary_factor {partial})"
+    if no_rope and not all(no_rope):
+        return "some layers use no RoPE"
+    return ""
+
+
 def rope_rotator(model: torch.nn.Module) -> KeyRotator | None:
-    """The rotator for ``model``'s keys, or None when it has no rotary embedding to read."""
+    """The rotator for ``model``'s keys (one per layer type when types rotate differently, as Gemma 3's do), or None
+    when it has no rotary embedding to read."""
     rotary = getattr(getattr(model, "model", model), "rotary_emb", None)
+    config = text_config(model.config)
+    refusal = _rotary_refusal(config)
     inv_freq = getattr(rotary, "inv_freq", None)
-    return None if inv_freq is None else KeyRotator(inv_freq)
+    if inv_freq is not None:
+        return KeyRotator(inv_freq, refusal=refusal)
+    types = getattr(config, "layer_types", None) or []
+    by_type = {kind: getattr(rotary, f"{kind}_inv_freq", None) for kind in set(types)}
+    if not types or any(freq is None for freq in by_type.values()):
+        return None
+    rotators = {kind: KeyRotator(freq, refusal=refusal) for kind, freq in by_type.items()}
+    return KeyRotator(by_type[types[0]], tuple(rotators[kind] for kind in types), refusal)
 
 
 @dataclass
@@ -52,29 +92,31 @@ class Rerotation:
 
 class KeyRerotation:
     """Moves cached keys to consecutive rotary positions, for every layer of one cache (StreamingLLM's position
-    shift). Layers that hold the same positions in a step (every layer, for a positional policy) share one plan
-    instead of each computing the angles again."""
+    shift). Layers that hold the same positions in a step and rotate alike (every layer of a type, for a positional
+    policy) share one plan instead of each computing the angles again."""
 
     def __init__(self, rotator: KeyRotator | None):
         self.rotator = rotator
-        self._last: tuple[tuple, torch.Tensor, Rerotation | None] | None = None  # the last layer's question and plan
+        self._last: dict[int, tuple[tuple, torch.Tensor, Rerotation | None]] = {}  # per rotator: question and plan
 
-    def plan(self, rotary: torch.Tensor, end: int, dtype: torch.dtype) -> Rerotation | None:
-        """How to move keys at rotary positions ``rotary`` [T] to consecutive positions ending at ``end - 1``, or
-        None when none move."""
-        last = self._last
+    def plan(self, rotary: torch.Tensor, end: int, dtype: torch.dtype, layer_idx: int = 0) -> Rerotation | None:
+        """How to move layer ``layer_idx``'s keys at rotary positions ``rotary`` [T] to consecutive positions ending
+        at ``end - 1``, or None when none move."""
+        rotator = None if self.rotator is None else self.rotator.for_layer(layer_idx)
+        last = self._last.get(id(rotator))
         if last is not None and last[0] == (end, dtype) and torch.equal(last[1], rotary):
             return last[2]
         target = torch.arange(end - rotary.numel(), end, device=rotary.device)
         changed = (target != rotary).nonzero().flatten()
         plan = None
         if changed.numel():
-            if self.rotator is None:
+            if rotator is None:
                 raise SpecError("re-rotating cached keys needs the model's rotary embedding (rotary_emb.inv_freq)")
-            plan = Rerotation(target, changed, *self.rotator.angles(target[changed] - rotary[changed], dtype))
-        self._last = ((end, dtype), rotary, plan)
+            rotator.check()
+            plan = Rerotation(target, changed, *rotator.angles(target[changed] - rotary[changed], dtype))
+        self._last[id(rotator)] = ((end, dtype), rotary, plan)
         return plan
 
     def moved_keys(self, keys: torch.Tensor, plan: Rerotation) -> torch.Tensor:
         """The keys [B, H, T, D] of the entries ``plan`` moves, rotated to their new positions."""
-        return self.rotator.apply(keys[:, :, plan.changed], plan.cos, plan.sin)
+        return KeyRotator.apply(keys[:, :, plan.changed], plan.cos, plan.sin)

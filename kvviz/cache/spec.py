@@ -292,6 +292,9 @@ def methods_markdown(registry: dict[str, type[Method]] | None = None) -> str:
         for name in sorted(n for n, cls in registry.items() if cls.kind == kind):
             method = registry[name]
             lines += [f"### `{name}` ({kind})", "", method.summary, ""]
+            local = getattr(method, "on_local_layers", None)  # an eviction method's declaration
+            if local is not None and name != "full":
+                lines += [f"On local (sliding-window) layers: {local.value}.", ""]
             if not method.params:
                 lines += ["No parameters.", ""]
                 continue

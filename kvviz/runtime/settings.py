@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"  # the embedded model (kvviz.runtime.models loads it from its wheel)
+GEMMA_MODEL = "gemma3-270m"  # the second embedded model (kvviz.runtime.embedded): sliding-window layers and MQA
 
 # Who reads a variable (the table's "read by" column). The last four are files tests/test_config.py parses.
 APP = "app"  # through Settings.from_env: the app, and `python -m kvviz config`, which checks them
@@ -193,7 +194,7 @@ class Settings:
     def models_offered(self) -> list[str]:
         if self.allowed_models:
             return list(self.allowed_models)
-        return list(dict.fromkeys([self.model, DEFAULT_MODEL]))
+        return list(dict.fromkeys([self.model, DEFAULT_MODEL, GEMMA_MODEL]))
 
     def model_allowed(self, name: str) -> bool:
         return not self.class_mode or name in self.allowed_models

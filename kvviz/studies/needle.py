@@ -169,7 +169,7 @@ def build_needle_prompt(tokenizer, length: int, depth: float, seed: int = 0, tri
     filler = filler_for(tokenizer, render([])[0], length, stream, "needle")
     while True:  # the per-sentence count is an estimate; trim until the whole prompt fits
         text, question_char, context_char = render(filler)
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)  # a template has its BOS
         if len(encoded["input_ids"]) <= length or not filler:
             break
         filler.pop()

@@ -225,10 +225,9 @@ def build_item(tokenizer, task: str, length: int, depth: float, seed: int = 0, t
     Filler comes from the same seeded stream as the needle, so a shorter prompt is a prefix of a longer one and
     items differ only in length and depth. PromptError when ``length`` cannot hold the task.
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise PromptError("the tail tasks need a chat model (the instructions live in its system turn)")
+    chat = bool(getattr(tokenizer, "chat_template", None))  # a base model reads the same turns as plain text
     if task == "needle":
-        prompt = build_needle_prompt(tokenizer, length, depth, seed, trial, chat=True)
+        prompt = build_needle_prompt(tokenizer, length, depth, seed, trial, chat=chat)
         span = PlantedSpan("pass key", "pass key", f"{prompt.key} ... {prompt.key}", prompt.needle_positions)
         return TailItem(f"needle:{length}:{depth:g}:{trial}", "needle", 0, length, depth, trial, prompt.ids,
                         prompt.question_start, prompt.context_start, [span], [prompt.key])
@@ -256,10 +255,13 @@ def build_item(tokenizer, task: str, length: int, depth: float, seed: int = 0, t
             else:
                 context += piece
         body = f"{preface}\n\n{context}\n\n"
-        messages = ([{"role": "system", "content": system_text}] if system_text else []) + [
-            {"role": "user", "content": body + question}]
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        text += layout.answer_prefix
+        if chat:
+            messages = ([{"role": "system", "content": system_text}] if system_text else []) + [
+                {"role": "user", "content": body + question}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text += layout.answer_prefix
+        else:  # no template: the system's rules, the text, the question, and the answer's first words on a new line
+            text = (f"{system_text}\n\n" if system_text else "") + body + question + "\n" + layout.answer_prefix
         body_start = text.index(body)
         placed = [(plant, body_start + len(preface) + 2 + at) for plant, at in located]
         if system_text:
@@ -270,7 +272,7 @@ def build_item(tokenizer, task: str, length: int, depth: float, seed: int = 0, t
     filler = filler_for(tokenizer, render([])[0], length, stream, task)
     while True:  # the per-sentence count is an estimate; trim until the whole prompt fits
         text, placed, context_char, question_char = render(filler)
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)  # a template has its BOS
         if len(encoded["input_ids"]) <= length or not filler:
             break
         filler.pop()

@@ -21,11 +21,17 @@ from kvviz_app.plots.comparison import (
     key_channel_figure,
     kl_figure,
     kv_growth_figure,
+    layer_bytes_figure,
     layouts_figure,
     memory_figure,
     reconstruction_figure,
 )
-from kvviz_app.plots.planning import gpu_budget_figure, measured_vs_formula_figure, planner_context_figure
+from kvviz_app.plots.planning import (
+    architecture_figure,
+    gpu_budget_figure,
+    measured_vs_formula_figure,
+    planner_context_figure,
+)
 from kvviz_app.plots.prefix import BLOCK_COLORS, block_table_figure, context_cost_figure, jaccard_figure, ttft_figure
 from kvviz_app.plots.snippets import divergence_html, kept_map_html, tail_context_html, token_shading_html
 from kvviz_app.plots.studies import (
@@ -43,6 +49,7 @@ __all__ = [
     "MiB",
     "TAIL_ORDER",
     "as_array",
+    "architecture_figure",
     "attention_heatmap",
     "axis_factors_figure",
     "block_table_figure",
@@ -60,6 +67,7 @@ __all__ = [
     "key_channel_figure",
     "kl_figure",
     "kv_growth_figure",
+    "layer_bytes_figure",
     "layouts_figure",
     "measured_vs_formula_figure",
     "memory_figure",

@@ -106,7 +106,7 @@ def kept_fraction(kept_mask) -> np.ndarray:
     return as_array(kept_mask).mean(axis=0)
 
 
-def kept_heatmap(kept_mask, layer: int, method: str) -> go.Figure:
+def kept_heatmap(kept_mask, layer: int | str, method: str) -> go.Figure:
     """KV heads x tokens: 1 where the token is still cached, 0 where it was evicted."""
     data = as_array(kept_mask)
     figure = go.Figure(go.Heatmap(z=data, colorscale=[[0, "#d62728"], [1, "#2ca02c"]], zmin=0, zmax=1,

@@ -37,6 +37,22 @@ def memory_figure(frame: pd.DataFrame, weight_bytes: int) -> go.Figure:
     return figure
 
 
+def layer_bytes_figure(per_layer: dict[str, Sequence[int]], kinds: Sequence[str]) -> go.Figure:
+    """KV bytes each layer holds at the end, one bar group per layer labelled with its type (``global`` or
+    ``local W``), one colour per method: a local layer's bar stops at its window whatever the method."""
+    labels = [f"{index} · {kind}" for index, kind in enumerate(kinds)]
+    figure = go.Figure()
+    for method, values in per_layer.items():
+        figure.add_trace(go.Bar(x=labels, y=[v / MiB for v in values], name=method,
+                                hovertemplate="layer %{x}: %{y:.3f} MiB<extra>" + method + "</extra>"))
+    local = sum(kind != "global" for kind in kinds)
+    title = "KV bytes per layer at the end" + (f" ({local} local layers hold at most their window; the global "
+                                                "ones hold what the method keeps)" if local else "")
+    figure.update_layout(title=title, barmode="group", height=380, yaxis_title="MiB", xaxis_title="layer · type",
+                         legend=dict(orientation="h", y=-0.3), margin=dict(t=50, b=40, l=50, r=20))
+    return figure
+
+
 def axis_factors_figure(factors: dict[str, dict]) -> go.Figure:
     """Per method, the cache's bytes after each axis: full, x heads/latent, x tokens kept, x bits; ◆ = measured.
 

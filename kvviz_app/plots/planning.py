@@ -57,3 +57,25 @@ def gpu_budget_figure(weight_gb: float, kv_gb: float, usable_gb: float, gpu_gb: 
     figure.add_vline(x=gpu_gb, line_color="black", annotation_text="GPU")
     figure.update_layout(barmode="stack", height=200, xaxis_title="GB", margin=dict(t=30, b=40, l=60, r=20))
     return figure
+
+
+def architecture_figure(lines: dict[str, tuple[Sequence[int], Sequence[int]]],
+                        measured: dict[str, tuple[int, int]]) -> go.Figure:
+    """KV bytes against context (log-log), one line per model and configuration from the formula per layer type,
+    and what a run measured (◆) on the line of the same name. ``lines``: name -> (contexts, bytes);
+    ``measured``: name -> (tokens, bytes held)."""
+    figure = go.Figure()
+    for name, (contexts, held) in lines.items():
+        line = figure.add_trace(go.Scatter(x=list(contexts), y=[b / MiB for b in held], mode="lines", name=name,
+                                           line=dict(dash="dot" if "streaming" in name else "solid"),
+                                           hovertemplate=name + ": %{y:.1f} MiB at %{x:,} tokens<extra></extra>"))
+        if name in measured:
+            tokens, held_bytes = measured[name]
+            figure.add_trace(go.Scatter(x=[tokens], y=[held_bytes / MiB], mode="markers", showlegend=False,
+                                        marker=dict(symbol="diamond", size=12, color=line.data[-1].line.color),
+                                        hovertemplate=name + " measured: %{y:.2f} MiB at %{x:,} tokens"
+                                                             "<extra></extra>"))
+    figure.update_layout(title="KV cache against context: formula per layer type (lines), measured (◆)",
+                         xaxis_title="context (tokens)", xaxis_type="log", yaxis_title="KV MiB", yaxis_type="log",
+                         height=420, legend=dict(orientation="h", y=-0.25), margin=dict(t=50, b=40, l=50, r=20))
+    return figure

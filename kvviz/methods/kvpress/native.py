@@ -144,6 +144,11 @@ class KVPressNative(EvictionMethod):
     # -- kvviz's hooks: the session asks for our own prefill, the cache for what each layer keeps ----------------
     def run_prefill(self, session) -> NativePrefill:
         """Run the prompt with the press's hooks active (cached per prompt: a teacher-forced rerun reuses it)."""
+        types = session.card.layer_types
+        if types.has_local:  # transformers' sliding layers hold only their window while kvpress compresses them
+            raise SpecError(f"{self.name} cannot run on this model's local layers ({types.summary()}): kvpress "
+                            "compresses transformers' sliding-window caches itself, which kvviz cannot map onto its "
+                            "own; kvviz's methods evict on global layers only")
         key = tuple(session.prompt_ids)
         if self._prefill is None or self._prefill[0] != key:
             from kvviz.methods.kvpress.fork import run_press_prefill
