@@ -30,10 +30,12 @@ from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 from kvviz.runtime.settings import results_folder
 from kvviz.studies.needle import NeedleReport, run_needle_grid
+from kvviz.studies.paired import DEFAULT_MARGIN
 from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
 from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
 from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, run_sweep
 from kvviz.studies.sweep_ray import sharded_rows
+from kvviz.studies.sweep_rounds import Adaptive
 from kvviz.studies.sweep_shards import ModelKey, ShardKey
 from kvviz.studies.tail import TailReport, run_tail
 from kvviz.studies.workloads import Workload
@@ -232,14 +234,16 @@ class SweepRequest(RunRequest):
     cluster: ClusterConfig | None = field(default=None, compare=False, repr=False)
     worker_model: ModelSource | None = field(default=None, compare=False, repr=False)  # None: the loaded model's name
     block_size: int = DEFAULT_BLOCK_SIZE  # token slots per block of the paged layouts (kvviz.cache.layouts)
+    margin: float = DEFAULT_MARGIN  # fixed before the run: an adaptive sweep stops its points on it
+    adaptive: Adaptive | None = None  # rounds until decided (None: one look at every item)
 
     def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> SweepReport:
-        rows = None
+        source, store = None, ResultStore.default()
         if self.cluster is not None:
-            source = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
-            rows = sharded_rows(self.cluster, source, self.workload, ResultStore.default(), self.block_size)
-        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows,
-                         block_size=self.block_size)
+            worker = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
+            source = sharded_rows(self.cluster, worker, self.workload, store, self.block_size)
+        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, source,
+                         margin=self.margin, block_size=self.block_size, adaptive=self.adaptive, store=store)
 
 
 @dataclass
