@@ -19,6 +19,7 @@ import torch
 from kvviz.cache.layer_types import REFUSALS, LayerTypes, refusal_for
 from kvviz.cli import main
 from kvviz.engine.session import PromptSession, compare
+from kvviz.methods import parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import ModelError, prepare_default_model, ready
 
@@ -170,3 +171,53 @@ def test_architectures_a_model_built_in_memory_is_refused_too():
     config = AutoConfig.for_model("gemma3_text", **(SHAPE | {"vocab_size": 64, "use_bidirectional_attention": True}))
     with pytest.raises(ModelError, match="bidirectional attention"):
         ready("bidirectional", AutoModelForCausalLM.from_config(config), None, "cpu", torch.float32)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "qwen2"])
+def test_architectures_chunked_and_streamed_perplexity_keep_local_windows_exactly(model_type, tokenizer, prompt_ids,
+                                                                                   monkeypatch):
+    """Several tokens per forward into a cache whose local layers hold only their windows (the full cache's chunks),
+    and one token per forward through a forked cache (a method streamed), both equal the model's own forward."""
+    from kvviz.studies import perplexity
+
+    model = tiny_model(model_type, len(tokenizer))
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids])).logits[0, :-1].float()
+    own = torch.nn.functional.cross_entropy(logits, torch.tensor(prompt_ids[1:]), reduction="none")
+    loaded = ready(model_type, model, tokenizer, "cpu", torch.float32)
+    monkeypatch.setattr(perplexity, "CHUNK", 16)  # chunks shorter than the prompt, each past the window's start
+    full = perplexity.streaming_perplexity(loaded, prompt_ids, "full")
+    streamed = perplexity.streaming_perplexity(loaded, prompt_ids, "window:window=1000")  # evicts nothing
+    assert (torch.tensor(full.per_token_nll) - own).abs().max() < 1e-4
+    assert (torch.tensor(streamed.per_token_nll) - own).abs().max() < 1e-4
+    assert full.kv_bytes == streamed.kv_bytes == model_card(loaded).stored_kv_bytes(len(prompt_ids) - 1)
+
+
+def test_architectures_rerotation_moves_each_layer_s_keys_with_its_own_rope_or_is_refused(tokenizer, prompt_ids):
+    """Gemma 3 rotates local layers with base 10K and global ones with 1M: moving a key by d positions must equal the
+    model's own rotary embedding at p + d, per layer type. MLA's partial, interleaved RoPE cannot be moved: refused."""
+    from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb
+
+    from kvviz.cache.rotation import rope_rotator
+    from kvviz.methods import SpecError
+
+    model = tiny_model("gemma3_text", len(tokenizer))
+    rotator = rope_rotator(model)
+    key = torch.randn(1, 1, 1, SHAPE["head_dim"])
+    for layer, kind in enumerate(model.config.layer_types):
+        cos, sin = model.model.rotary_emb(key, torch.tensor([[3, 10]]), kind)
+        at_3, _ = apply_rotary_pos_emb(key, key, cos[:, :1], sin[:, :1])
+        at_10, _ = apply_rotary_pos_emb(key, key, cos[:, 1:], sin[:, 1:])
+        moved = rotator.for_layer(layer).apply(at_3, *rotator.for_layer(layer).angles(torch.tensor([7]), key.dtype))
+        assert torch.allclose(moved, at_10, atol=1e-5), kind
+    assert not torch.equal(rotator.for_layer(0).inv_freq, rotator.for_layer(3).inv_freq)
+    loaded = ready("deepseek_v3", tiny_model("deepseek_v3", len(tokenizer)), tokenizer, "cpu", torch.float32)
+    with pytest.raises(SpecError, match="RoPE covers only part of each key"):
+        PromptSession(loaded, prompt_ids).fork(parse_spec("streaming_llm:sinks=4,window=8"))
+
+
+def test_architectures_a_storage_that_cannot_drop_tokens_says_so_on_a_local_layer(tokenizer, prompt_ids):
+    loaded = ready("gemma3_text", tiny_model("gemma3_text", len(tokenizer)), tokenizer, "cpu", torch.float32)
+    results = compare(loaded, prompt_ids, ["full", "hf_quantized:backend=quanto,nbits=4,group=16"], 2).results
+    assert results[0].error is None and "is local (window 24) and drops what leaves its window" in results[1].error

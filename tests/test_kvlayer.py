@@ -99,3 +99,35 @@ def test_schedules_declare_when_each_method_selects_and_what_its_prefill_records
     assert h2o.decode is Decode.AFTER_ATTENTION and h2o.capture.all_queries
     snapkv = parse_spec("snapkv:window=16").eviction.schedule
     assert snapkv.decode is Decode.NEVER and snapkv.capture.windows == (16,) and not snapkv.capture.all_queries
+
+
+def local_layer(spec: str, prompt: int, window: int):
+    """A local (sliding-window) layer for ``spec`` after it held a ``prompt``-token prompt; its ledger and K/V."""
+    ledger = EvictionLedger.empty(1, HEADS, prompt, prompt + 8, windows=(window,))
+    layer = KVLayer(0, 1, DenseStorage(), parse_spec(spec).eviction, ledger, window=window)
+    keys, values = entries(prompt)
+    positions = torch.arange(prompt).expand(1, HEADS, prompt)
+    layer.begin_step(StepContext(0, prompt))
+    layer.hold_prompt(keys, values, positions, positions)
+    return layer, ledger, keys
+
+
+def test_local_layer_holds_the_next_query_s_window_as_the_model_s_own_cache_does():
+    layer, ledger, keys = local_layer("full", prompt=10, window=4)
+    assert layer.is_sliding and layer.positions[0].tolist() == [[7, 8, 9]] * HEADS  # window - 1
+    new_keys, _ = entries(1, seed=3)
+    attended, _ = feed(layer, position=10, step=1, prompt=10, seed=3)
+    assert torch.equal(attended, torch.cat([keys[:, :, 7:], new_keys], 2))  # the query at 10 sees 7..10
+    assert layer.positions[0].tolist() == [[8, 9, 10]] * HEADS and layer.nbytes().total == 2 * HEADS * 3 * DIM * 4
+    assert ledger.evicted_at[0, 0, :11].tolist() == [0] * 7 + [1, KEPT, KEPT, KEPT]
+    assert ledger.slid_out(11).all(dim=1)[0, :8].all() and ledger.layer_kinds() == ["local 4"]
+
+
+def test_methods_evict_on_global_layers_only_unless_they_select_within_the_window():
+    layer, _, _ = local_layer("streaming_llm:sinks=1,window=1,rerotate=0", prompt=10, window=6)
+    assert not layer.evicts and layer.positions[0, 0].tolist() == [5, 6, 7, 8, 9]  # its window, not 1 + 1
+    layer, ledger, _ = local_layer("window:window=2", prompt=10, window=6)
+    assert layer.evicts and layer.positions[0, 0].tolist() == [8, 9]
+    assert not ledger.slid_out(10)[0, 0, 5:8].any() and ledger.slid_out(10)[0, 0, :5].all()
+    feed(layer, position=10, step=1, prompt=10, seed=1)
+    assert layer.positions[0, 0].tolist() == [9, 10]

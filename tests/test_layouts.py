@@ -153,3 +153,22 @@ def test_on_the_real_model_a_2k_prompt_shows_what_each_layout_eats(real_model):
     assert snapkv.counted < 0.3 * full.counted and snapkv.paged_shared >= 0.8 * full.paged_shared
     assert window.paged_shared <= 1.1 * window.counted
     assert adakv.dense_per_layer > adakv.counted
+
+
+def test_local_layers_free_their_blocks_only_in_a_pool_of_their_own():
+    """Three local layers of window 33 (32 tokens held) and a global one, a full cache of 160 tokens: one block pool
+    for every layer keeps the local layers' old blocks while the global layer holds the tokens; a pool per layer type
+    (the ``by layer type`` layouts) frees them."""
+    from kvviz.cache.layouts import layouts_by_layer_type
+
+    ledger = EvictionLedger.empty(LAYERS, HEADS, TOKENS, TOKENS, windows=(33, 33, 33, None))
+    ledger.evicted_at[:3, :, :TOKENS - 32] = 0  # what each local layer's window slid past
+    kept = ledger.evicted_at == -1
+    whole = cache_layouts(ledger, bytes_of(kept), TOKENS, BLOCK)
+    by_type = layouts_by_layer_type(ledger, bytes_of(kept), TOKENS, BLOCK)
+    assert list(by_type) == ["local 33", "global"] and ledger.slid_out(TOKENS)[:3, :, :TOKENS - 32].all()
+    assert whole.counted == sum(layouts.counted for layouts in by_type.values()) == SLOT * HEADS * (3 * 32 + TOKENS)
+    assert whole.paged_shared == SLOT * HEADS * LAYERS * TOKENS  # every block stays: the global layer keeps it
+    assert by_type["local 33"].paged_shared == SLOT * HEADS * 3 * 32 and by_type["global"].paged_shared == (
+        SLOT * HEADS * TOKENS)
+    assert layouts_by_layer_type(EvictionLedger.empty(LAYERS, HEADS, TOKENS, TOKENS), bytes_of(kept), TOKENS) == {}

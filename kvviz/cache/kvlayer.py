@@ -70,7 +70,8 @@ class KVLayer(FirstUpdateLayer):
     A local layer (``window`` set, :mod:`kvviz.cache.layer_types`) holds what the model's own sliding layer holds:
     after each forward, the ``window - 1`` newest tokens, the rest of the next query's window. What slides out is
     recorded in the ledger at the step it left, as an eviction no method chose. The method runs on it only when it
-    says so (:class:`~kvviz.cache.protocol.OnLocal`).
+    says so (:class:`~kvviz.cache.protocol.OnLocal`). Its entries stay consecutive (the window, or a narrower recent
+    window), so a mask that measures the window in cache indices measures it in tokens (:meth:`get_mask_sizes`).
     """
 
     def __init__(self, layer_idx: int, layer_count: int, storage: KVStorage, eviction: EvictionMethod | None = None,
@@ -115,10 +116,8 @@ class KVLayer(FirstUpdateLayer):
         heads = self.storage.cache_heads(heads)
         absolute, rotary = (t.view(1, 1, new).expand(batch, heads, new)
                             for t in context.positions_on(key_states.device))
-        if self.window is not None:
-            if new > 1 and len(self.storage):  # the tokens' queries would need windows a one-token mask cannot give
-                raise ValueError("a local layer holding entries is fed one token per forward")
-            self.slide(int(context.absolute[0]) - self.window + 1)  # what no new query sees (a cache built by hand)
+        if self.window is not None:  # what no new query sees (a cache built by hand; a chunk of several tokens)
+            self.slide(int(context.absolute[0]) - self.window + 1)
         self.storage.append(key_states, value_states)
         self.positions = absolute.clone() if self.positions is None else torch.cat([self.positions, absolute], -1)
         self.rotary = rotary.clone() if self.rotary is None else torch.cat([self.rotary, rotary], -1)

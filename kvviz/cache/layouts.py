@@ -124,3 +124,22 @@ def cache_layouts(ledger: EvictionLedger | None, layer_bytes: Sequence[int], tot
     else:
         kept = ledger.evicted_at[..., :total_tokens] == KEPT
     return layout_bytes(kept, layer_bytes, block_size)
+
+
+def layouts_by_layer_type(ledger: EvictionLedger | None, layer_bytes: Sequence[int], total_tokens: int,
+                          block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, LayoutBytes]:
+    """Each layer type's layouts (``global``, ``local W``) for a model with local layers, empty for one without.
+
+    A type's ``paged_shared`` is a block pool shared by that type's layers only, which is how an engine with a
+    pool per attention type (vLLM's hybrid allocator) frees a local layer's blocks once its window has passed them;
+    one pool for every layer (the whole cache's ``paged_shared``) keeps them while any global layer keeps the token.
+    """
+    if ledger is None or not any(ledger.windows):
+        return {}
+    kinds = ledger.layer_kinds()
+    kept = ledger.evicted_at[..., :total_tokens] == KEPT
+    layouts = {}
+    for kind in dict.fromkeys(kinds):
+        layers = [index for index, name in enumerate(kinds) if name == kind]
+        layouts[kind] = layout_bytes(kept[layers], [layer_bytes[index] for index in layers], block_size)
+    return layouts

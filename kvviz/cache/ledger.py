@@ -40,19 +40,18 @@ class EvictionLedger:
         return ["global" if self.window(layer) is None else f"local {self.window(layer)}"
                 for layer in range(self.num_layers)]
 
-    def slid_out(self, layer_idx: int, length: int | None = None) -> torch.Tensor:
-        """[kv_heads, length] True where a local layer dropped the token because its window moved past it (at the
-        step the model's own cache drops it), not because a method chose to; all False on a global layer."""
+    def slid_out(self, length: int | None = None) -> torch.Tensor:
+        """[layers, kv_heads, length] True where a local layer dropped the token because its window moved past it (at
+        the step the model's own cache drops it), not because a method chose to; all False on a global layer."""
         length = self.length if length is None else length
-        table = self.evicted_at[layer_idx, :, :length]
-        window = self.window(layer_idx)
-        if window is None:
+        table = self.evicted_at[..., :length]
+        if not any(self.windows):
             return torch.zeros_like(table, dtype=torch.bool)
-        positions = torch.arange(length)
+        windows = torch.tensor([w or 0 for w in self.windows], dtype=torch.int32).view(-1, 1, 1)
         # a token at position p leaves a local layer once the newest token is p + window - 1: the prompt's last
         # token is prompt_length - 1 (step 0), decode step s feeds position prompt_length - 1 + s
-        leaves = (positions + window - self.prompt_length).clamp_min(0)
-        return (table >= 0) & (table == leaves)
+        leaves = (torch.arange(length, dtype=torch.int32) + windows - self.prompt_length).clamp_min(0)
+        return (windows > 0) & (table >= 0) & (table == leaves)
 
     @property
     def length(self) -> int:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvviz.cache.architecture import AxisFactors
-from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE, LayoutBytes, cache_layouts
+from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE, LayoutBytes, cache_layouts, layouts_by_layer_type
 from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.storage import StorageBytes
 from kvviz.engine.diagnostics import QuantizationReport
@@ -46,6 +46,12 @@ class MethodResult:
             return None
         return cache_layouts(self.ledger, self.kv_bytes_per_layer, self.total_tokens, block_size)
 
+    def layout_bytes_by_layer_type(self, block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, LayoutBytes]:
+        """The layouts of each layer type (``global``, ``local W``) on a model with local layers; empty otherwise."""
+        if self.error or not self.kv_bytes_per_layer:
+            return {}
+        return layouts_by_layer_type(self.ledger, self.kv_bytes_per_layer, self.total_tokens, block_size)
+
     @property
     def compression(self) -> float | None:
         """How many times smaller than the full cache (None when nothing was measured)."""
@@ -71,6 +77,9 @@ class MethodResult:
         }
         if self.error:
             data["error"] = self.error
+        by_type = self.layout_bytes_by_layer_type(block_size)
+        if by_type:
+            data["layout_bytes_by_layer_type"] = {kind: layouts.to_json() for kind, layouts in by_type.items()}
         if self.axis_factors is not None:
             data["axis_factors"] = self.axis_factors.to_json()
             data["projection_bytes"] = self.projection_bytes

@@ -192,11 +192,12 @@ def first_token_at(offsets: list[tuple[int, int]], char: int) -> int:
 
 
 def needle_eviction(ledger: EvictionLedger | None, positions: list[int]) -> tuple[bool, int | None, list[int]]:
-    """(survived, earliest eviction step, layers that evicted any needle token) from a method's ledger."""
+    """(survived, earliest eviction step, layers that evicted any needle token) from a method's ledger. A local
+    layer's window sliding past the needle is the model's own attention, not an eviction: it does not count."""
     if ledger is None:
         return True, None, []
     steps = ledger.evicted_at[..., positions]  # [layers, kv_heads, needle tokens]
-    evicted = steps != KEPT
+    evicted = (steps != KEPT) & ~ledger.slid_out()[..., positions]
     if not bool(evicted.any()):
         return True, None, []
     layers = evicted.flatten(1).any(dim=1).nonzero().flatten().tolist()

@@ -69,7 +69,7 @@ class PerplexityResult:
 def _full_chunked(loaded: LoadedModel, token_ids: list[int], progress) -> tuple[torch.Tensor, int]:
     """NLL of positions 1..N-1 with an uncompressed cache, CHUNK tokens per forward, and the cache's bytes (the
     last token is never fed: nothing predicts from it, and the streamed caches never hold it either)."""
-    cache = KVCache(loaded.config.num_hidden_layers)
+    cache = KVCache(loaded.config.num_hidden_layers, layer_types=loaded.layer_types)  # local layers keep windows
     losses = []
     fed = token_ids[:-1]
     with torch.inference_mode():

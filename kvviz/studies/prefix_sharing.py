@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvviz.cache.kvcache import KVCache
+from kvviz.cache.layer_types import LayerTypes
 from kvviz.cache.storage import gather_tokens
 from kvviz.engine.metrics import forced_comparison
 from kvviz.engine.session import PromptSession
@@ -94,13 +95,14 @@ def jaccard(a: set[int], b: set[int]) -> float:
     return len(a & b) / len(a | b) if a | b else 1.0
 
 
-def preamble_cut_to(dense: KVCache, kept: list[list[set[int]]], preamble_tokens: int) -> KVCache:
+def preamble_cut_to(dense: KVCache, kept: list[list[set[int]]], preamble_tokens: int,
+                    layer_types: LayerTypes | None = None) -> KVCache:
     """A plain cache of the dense preamble's entries at ``kept`` positions (absolute positions kept).
 
     Heads that kept fewer preamble tokens than others (a question token took their place) are topped up with their
     most recent dropped preamble tokens, so every head of a layer holds the same count, as a cache tensor must.
     """
-    cache = KVCache(len(dense.layers))
+    cache = KVCache(len(dense.layers), layer_types=layer_types)  # a local layer drops what its window passed
     cache.prompt_length = preamble_tokens
     for source, layer, heads in zip(dense.layers, cache.layers, kept, strict=True):
         count = max(len(head) for head in heads)
@@ -137,7 +139,7 @@ def compare_sharing(loaded: LoadedModel, preamble_ids: list[int], question_a: li
     dense = prefill_with_prefix(loaded.model, loaded.device, preamble_ids, loaded.prefix_cache).cache
 
     def answer_b(kept: list[list[set[int]]]):
-        cache = preamble_cut_to(dense, kept, preamble_tokens)
+        cache = preamble_cut_to(dense, kept, preamble_tokens, loaded.layer_types)
         unused = torch.zeros(1)  # the question's last token gives the first logits
         trace = decode(loaded.model, cache, unused, max_new_tokens, loaded.device, eos,
                        forced_tokens=reference.token_ids, keep_logprobs=True, suffix_tokens=question_b)
