@@ -136,6 +136,8 @@ def test_architectures_local_layers_hold_their_window_as_the_model_s_own_cache_d
     assert gemma.windows == (WINDOW, WINDOW, WINDOW, None)
     assert [gemma.held(0, n) for n in (10, WINDOW - 1, WINDOW, 100)] == [10, WINDOW - 1, WINDOW - 1, WINDOW - 1]
     assert gemma.held(3, 100) == 100
+    assert gemma.listing() == "local (window 24): 0-2; global: 3" and gemma.summary() == (
+        "3 local (window 24) + 1 global of 4 layers")
     qwen = LayerTypes.from_config(AutoConfig.for_model("qwen2", **(SHAPE | EXACT["qwen2"])))
     assert qwen.windows == (None, None, WINDOW, WINDOW)  # the first max_window_layers attend globally
     assert not LayerTypes.from_config(AutoConfig.for_model("qwen2")).has_local  # its window is off by default

@@ -41,9 +41,8 @@ with left:
     st.subheader("Model card")
     st.table(pd.DataFrame({"value": list(rows.values())}, index=list(rows)).astype(str))
     if types.has_local:
-        st.caption(f"Layer types: {', '.join(f'{index}: {kind}' for index, kind in enumerate(types.labels()))}. A "
-                   f"local layer attends to the last {types.window} tokens only, so it holds at most "
-                   f"{types.window - 1} of them; a global layer holds every token.")
+        st.caption(f"Layers {types.listing()}. A local layer attends to the last {types.window} tokens only, so it "
+                   f"holds at most {types.window - 1} of them; a global layer holds every token.")
 with right:
     st.subheader("Device")
     for key, value in device_status(loaded).items():

@@ -110,6 +110,14 @@ def layouts_view(comparison: Comparison) -> None:
                     width="stretch")
     st.caption("kvviz counts the tensors it holds; an engine frees a dropped token's memory only when its layout can "
                "give the slot back. " + " ".join(f"**{LABELS[name]}**: {MEANINGS[name]}." for name in MEANINGS))
+    by_type = {r.method: r.layout_bytes_by_layer_type(block_size) for r in comparison.results if r.error is None}
+    if any(by_type.values()):
+        st.dataframe(pd.DataFrame([{"configuration": method, "layer type": kind} | {
+            LABELS[name]: f"{value / 2**20:,.2f} MiB" for name, value in layouts.to_json().items()}
+            for method, kinds in by_type.items() for kind, layouts in kinds.items()]), hide_index=True, width="stretch")
+        st.caption("Per layer type, each type's blocks shared by its layers only (a block pool per attention type, as "
+                   "vLLM's hybrid allocator keeps): local layers free the blocks their window passed, which one pool "
+                   "for every layer keeps while a global layer holds the tokens.")
 
 
 def memory_view(loaded: LoadedModel, comparison: Comparison, measured: list) -> None:

@@ -318,7 +318,9 @@ shows what converting a model after the fact costs. The prompt hides a pass key 
                              format_func=lambda f: f"{f:.0%}", key="lesson_axes_share")
     run = axes_run(loaded, share)
     axes, prompt = run.axes, run.prompt
-    st.caption(" · ".join(f"{axis}: `{spec}`" for axis, spec in axes.items()))
+    st.caption(" · ".join(f"{axis}: `{spec}`" for axis, spec in axes.items()) + (
+        " · this model has one KV head already (MQA): the heads axis has none left to merge" if card.kv_heads == 1
+        else ""))
     if step.live("Spend the budget three ways"):
         comparison = result_for(loaded, run.request())
         outputs(loaded, comparison)

@@ -131,6 +131,20 @@ class LayerTypes:
     def labels(self) -> list[str]:
         return [self.kind(layer) for layer in range(len(self.windows))]
 
+    def listing(self) -> str:
+        """Which layers are which, in runs: ``local (window 512): 0-4, 6-10, 12-16; global: 5, 11, 17``."""
+        parts = []
+        for kind in dict.fromkeys(self.labels()):
+            layers = [layer for layer, name in enumerate(self.labels()) if name == kind]
+            runs, start = [], layers[0]
+            for previous, layer in zip(layers, [*layers[1:], None], strict=True):
+                if layer != previous + 1:
+                    runs.append(f"{start}-{previous}" if previous > start else f"{start}")
+                    start = layer
+            name = "global" if kind == "global" else f"local (window {kind.split()[1]})"
+            parts.append(f"{name}: {', '.join(runs)}")
+        return "; ".join(parts)
+
     def summary(self) -> str:
         """One line: ``15 local (window 512) + 3 global of 18 layers`` or ``30 global layers``."""
         if not self.has_local:
