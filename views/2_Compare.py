@@ -189,8 +189,9 @@ def kept_view(loaded: LoadedModel, comparison: Comparison, measured: list) -> No
     prompt_tokens = token_texts(loaded.name, tuple(comparison.prompt_ids), loaded.tokenizer)
     fraction = plots.kept_fraction(mask)
     kind = card.layer_types.kind(layer)
-    window = "" if kind == "global" else (f" A {kind} layer keeps at most the last {card.layer_types.window - 1} "
-                                          "tokens whatever the method: the model's own attention never reads further.")
+    window = "" if kind == "global" else (f" A local layer (window {card.layer_types.window}) keeps at most the last "
+                                          f"{card.layer_types.window - 1} tokens whatever the method: the model's own "
+                                          "attention never reads further.")
     st.caption(f"{chosen}, layer {layer} ({kind}), after step {step}: {fraction.mean():.0%} of prompt tokens cached "
                f"(green: every KV head kept it, amber: some, red: none).{window}")
     st.html(plots.kept_map_html(prompt_tokens, fraction))
