@@ -100,6 +100,10 @@ with right:
     token_col.metric("KV per token (16-bit)", f"{card.kv_bytes_per_token / 1e6:,.2f} MB",
                      help=f"{card.kv_bytes_per_token:,} bytes: 2 (K and V) × layers × KV heads × head_dim × 2 bytes"
                      if card.attention != "MLA" else f"{card.kv_bytes_per_token:,} bytes: layers × latent × 2 bytes")
+    if card.layer_types.has_local:
+        token_col.caption(f"{card.layer_types.summary()}: past {card.layer_types.window:,} tokens each token costs "
+                          f"{card.global_kv_bytes_per_token / 1e6:,.3f} MB (global layers only), and eviction "
+                          "budgets apply to the global layers.")
     a.metric(f"KV per sequence ({context:,} tokens)", f"{result.kv_bytes_per_sequence / GB:,.2f} GB",
              delta=f"{result.compression:,.1f}x smaller" if result.compression > 1.001 else None,
              delta_color="off", delta_arrow="off")

@@ -110,10 +110,11 @@ class KVCache(Cache):
         """Set the positions of the tokens about to be fed; return (position_ids, cache_position) for the model."""
         absolute = absolute.cpu()
         rotary = self.next_rotary_positions(absolute)
-        self.begin_step(StepContext(step, self.prompt_length, absolute, rotary, evicting=self.decoding))
+        stored = self.get_seq_length()
+        self.begin_step(StepContext(step, self.prompt_length, absolute, rotary, evicting=self.decoding,
+                                    cache_start=stored))
         if self.ledger is not None:
             self.ledger.ensure(int(absolute.max()) + 1)
-        stored = self.get_seq_length()
         cache_position = torch.arange(stored, stored + absolute.numel())
         return rotary.unsqueeze(0), cache_position
 

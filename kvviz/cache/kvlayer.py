@@ -31,6 +31,8 @@ class StepContext:
     step: 0 for the prompt (its forward and its compression), s >= 1 for the s-th token fed after it.
     absolute, rotary: [new] absolute positions of the tokens fed and the rotary positions their keys carry (CPU).
     evicting: the method may evict as tokens arrive (a forked cache decoding; not the dense prefill).
+    cache_start: the ``cache_position`` of the first token fed (the first layer's entry count), known on the host so
+    that sizing a mask never reads a device tensor back.
     """
 
     step: int = 0
@@ -38,6 +40,7 @@ class StepContext:
     absolute: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     rotary: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     evicting: bool = False
+    cache_start: int = 0
     rotary_end: int = field(init=False)  # one past the newest token's rotary position
     _on_device: tuple[torch.device, torch.Tensor, torch.Tensor] | None = field(default=None, init=False, repr=False)
 
@@ -145,7 +148,7 @@ class KVLayer(FirstUpdateLayer):
         the queries' ``cache_position``, whichever layer that count came from (a local layer holds fewer entries
         than a global one), so a window measured in indices is measured in tokens."""
         held = len(self.storage)
-        return held + cache_position.shape[0], int(cache_position[0]) - held
+        return held + cache_position.shape[0], self.context.cache_start - held
 
     def get_seq_length(self) -> int:
         return len(self.storage)
