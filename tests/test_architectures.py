@@ -223,3 +223,18 @@ def test_architectures_a_storage_that_cannot_drop_tokens_says_so_on_a_local_laye
     loaded = ready("gemma3_text", tiny_model("gemma3_text", len(tokenizer)), tokenizer, "cpu", torch.float32)
     results = compare(loaded, prompt_ids, ["full", "hf_quantized:backend=quanto,nbits=4,group=16"], 2).results
     assert results[0].error is None and "is local (window 24) and drops what leaves its window" in results[1].error
+
+
+def test_architectures_prompts_prefilled_together_keep_each_local_window(tokenizer, prompt_ids):
+    """Prompts of different lengths in one forward (right-padded, each row over its own keys, the window in the
+    mask kvviz builds) and their rows decoded together give each prompt the model's own greedy tokens."""
+    from kvviz.engine.batched import decode_prompts
+    from kvviz.engine.session import FREE
+
+    model = tiny_model("gemma3_text", len(tokenizer))
+    prompts = [prompt_ids, prompt_ids[5:60]]
+    references = [generated(model, ids).tokens for ids in prompts]
+    loaded = ready("gemma3_text", model, tokenizer, "cpu", torch.float32)
+    results = decode_prompts(loaded, prompts, ["full", "window:window=8"], NEW_TOKENS, FREE)
+    assert [rows[0].token_ids for rows in results] == references
+    assert [rows[1].kv_bytes for rows in results] == [2 * 2 * 16 * 4 * 8 * 4] * 2  # 8 tokens in every layer
