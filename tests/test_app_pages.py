@@ -68,8 +68,9 @@ def test_compare_page_runs_methods_and_reports(monkeypatch):
         app.button_group(key="compare_show").set_value(view).run()
         assert not app.exception and app.query_params["show"] == view
         drawn[view] = (len(app.get("plotly_chart")), " ".join(c.value for c in app.caption))
-    # memory bars, savings per axis, serving layouts, growth; KL; reconstruction + key channels; the kept heatmap
-    assert [count for count, _ in drawn.values()] == [4, 1, 2, 1], drawn
+    # memory bars, bytes per layer (with its type), savings per axis, serving layouts, growth; KL; reconstruction +
+    # key channels; the kept heatmap
+    assert [count for count, _ in drawn.values()] == [5, 1, 2, 1], drawn
     assert "KV-Compress" in drawn["Memory"][1] and app.query_params["block"] == "16"
     assert "of prompt tokens cached" in drawn["Kept tokens"][1]
     assert "quantized per channel" in drawn["Quantization error"][1]
