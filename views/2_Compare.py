@@ -6,6 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from kvviz.cache.layouts import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LABELS, MEANINGS
+from kvviz.cache.protocol import OnLocal
 from kvviz.engine.results import Comparison
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError, parse_spec
@@ -81,6 +82,12 @@ st.caption(f"{len(methods_of('architecture'))} architecture, "
            f"{len([n for n in REGISTRY if REGISTRY[n].kind == 'eviction']) - 1} eviction and "
            f"{len(methods_of('quantization'))} quantization methods are registered; parameters come from each "
            "method's own declaration.")
+types = model_card(loaded).layer_types
+if types.has_local:
+    within = sorted(n for n, cls in REGISTRY.items() if getattr(cls, "on_local_layers", None) is OnLocal.WITHIN_WINDOW)
+    st.caption(f"This model: {types.summary()}. A local layer holds at most {types.window - 1} tokens whatever the "
+               f"method; {', '.join(within)} narrow{'s' if len(within) == 1 else ''} it further, every other eviction "
+               f"method evicts on the {types.global_layers} global layers only (`python -m kvviz methods` says which).")
 grid = method_grid("cfg", default_specs(), MAX_CONFIGS, per_row=3)
 valid = grid.valid
 share_settings(m=grid.shared, n=int(max_new), chat=chat)
