@@ -119,6 +119,7 @@ def test_local_layer_holds_the_next_query_s_window_as_the_model_s_own_cache_does
     attended, _ = feed(layer, position=10, step=1, prompt=10, seed=3)
     assert torch.equal(attended, torch.cat([keys[:, :, 7:], new_keys], 2))  # the query at 10 sees 7..10
     assert layer.positions[0].tolist() == [[8, 9, 10]] * HEADS and layer.nbytes().total == 2 * HEADS * 3 * DIM * 4
+    assert layer.oldest == 8  # tracked on the host: sliding reads nothing back from a device
     assert ledger.evicted_at[0, 0, :11].tolist() == [0] * 7 + [1, KEPT, KEPT, KEPT]
     assert ledger.slid_out(11).all(dim=1)[0, :8].all() and ledger.layer_kinds() == ["local 4"]
 
@@ -127,7 +128,7 @@ def test_methods_evict_on_global_layers_only_unless_they_select_within_the_windo
     layer, _, _ = local_layer("streaming_llm:sinks=1,window=1,rerotate=0", prompt=10, window=6)
     assert not layer.evicts and layer.positions[0, 0].tolist() == [5, 6, 7, 8, 9]  # its window, not 1 + 1
     layer, ledger, _ = local_layer("window:window=2", prompt=10, window=6)
-    assert layer.evicts and layer.positions[0, 0].tolist() == [8, 9]
+    assert layer.evicts and layer.positions[0, 0].tolist() == [8, 9] and layer.oldest is None  # read from positions
     assert not ledger.slid_out(10)[0, 0, 5:8].any() and ledger.slid_out(10)[0, 0, :5].all()
     feed(layer, position=10, step=1, prompt=10, seed=1)
     assert layer.positions[0, 0].tolist() == [9, 10]

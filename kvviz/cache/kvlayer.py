@@ -99,6 +99,9 @@ class KVLayer(FirstUpdateLayer):
         self.rotary: torch.Tensor | None = None  # [B, H_kv, T] positions the keys are rotated to
         self.padding: torch.Tensor | None = None  # [B, H_kv, T] True on padding slots once heads keep unequal counts
         self.blocked: torch.Tensor | None = None  # [B, H_kv, T] entries held but never attended (see block)
+        # a local layer's oldest position while its entries are consecutive (every head alike), known on the host so
+        # that sliding the window reads nothing back from the device; None once a method's choice made it unknown
+        self.oldest: int | None = None
 
     @property
     def is_sliding(self) -> bool:
@@ -121,6 +124,8 @@ class KVLayer(FirstUpdateLayer):
                             for t in context.positions_on(key_states.device))
         if self.window is not None:  # what no new query sees (a cache built by hand; a chunk of several tokens)
             self.slide(int(context.absolute[0]) - self.window + 1)
+            if not len(self.storage):
+                self.oldest = int(context.absolute[0])
         self.storage.append(key_states, value_states)
         self.positions = absolute.clone() if self.positions is None else torch.cat([self.positions, absolute], -1)
         self.rotary = rotary.clone() if self.rotary is None else torch.cat([self.rotary, rotary], -1)
@@ -179,7 +184,9 @@ class KVLayer(FirstUpdateLayer):
         heads = self.storage.cache_heads(keys.shape[1])  # every head of a dense prefill holds the same tokens
         self.positions, self.rotary = positions[:, :heads].clone(), rotary[:, :heads].clone()
         if self.window is not None:  # the model's own local layer holds the window of the next token
-            self.slide(int(positions.max()) - self.window + 2)
+            first, last = int(positions[0, 0, 0]), int(positions[0, 0, -1])  # once, at the fork
+            self.oldest = first if last - first + 1 == positions.shape[-1] else None  # a dense prefill: consecutive
+            self.slide(last - self.window + 2)
         if self.evicts:
             self.apply_keep(self.eviction.prefill_select(self.view(), stats), rotate=rotate)
             self.block(self.eviction.prefill_blocked(self.layer_idx))
@@ -204,12 +211,14 @@ class KVLayer(FirstUpdateLayer):
         if keep is None:
             return
         self._keep(keep)
+        self.oldest = None  # what a method kept need not be consecutive any more
         if rotate and self.eviction is not None and self.eviction.rerotate:
             self.rerotate_to(self.rotary.shape[-1] if rotary_end is None else rotary_end)
 
-    def _keep(self, keep: Keep) -> None:
-        """Hold only what ``keep`` keeps (entries, positions, padding, blocked slots); the rest goes in the ledger."""
-        if self.ledger is not None:
+    def _keep(self, keep: Keep, record: bool = True) -> None:
+        """Hold only what ``keep`` keeps (entries, positions, padding, blocked slots); the rest goes in the ledger
+        (unless the caller recorded it: ``record=False``)."""
+        if record and self.ledger is not None:
             keep.record(self.ledger, self.layer_idx, self.context.step, self.positions)
         self.storage = keep.keep_in(self.storage, self.new_storage)
         self.padding = keep.padding_after(self.padding)
@@ -220,17 +229,30 @@ class KVLayer(FirstUpdateLayer):
         """A local layer's window moved on: drop the entries before absolute position ``first``, which the model's
         own attention never reads again. Protected spans cannot hold them (the model would not see them either)."""
         positions = self.positions
-        if positions is None or not positions.shape[-1] or int(positions[..., 0].min()) >= first:
+        if positions is None or not positions.shape[-1]:
             return
-        visible = positions >= first  # entries sit in ascending position per head: the visible ones are the tail
-        counts = visible.sum(-1)
         batch, heads, length = positions.shape
-        if bool((counts == counts.flatten()[0]).all()):
-            keep = KeptRanges(((length - int(counts.flatten()[0]), length),), batch, heads, positions.device)
+        record = True
+        if self.oldest is not None and first - self.oldest < length:  # consecutive: decided on the host
+            dropped = first - self.oldest
+            if dropped <= 0:
+                return
+            keep = KeptRanges(((dropped, length),), batch, heads, positions.device)
+            if self.ledger is not None:
+                gone = torch.arange(self.oldest, first).expand(heads, dropped)
+                self.ledger.record(self.layer_idx, self.context.step, gone)
+            record, self.oldest = False, first
         else:
-            keep = RaggedKeep.from_mask(visible)
+            if int(positions[..., 0].min()) >= first:
+                return
+            visible = positions >= first  # entries sit in ascending position per head: the visible ones are the tail
+            counts = visible.sum(-1)
+            if bool((counts == counts.flatten()[0]).all()):
+                keep = KeptRanges(((length - int(counts.flatten()[0]), length),), batch, heads, positions.device)
+            else:
+                keep = RaggedKeep.from_mask(visible)
         try:
-            self._keep(keep)
+            self._keep(keep, record)
         except SpecError as error:  # a storage that cannot drop entries (transformers' quantized layer)
             raise SpecError(f"layer {self.layer_idx} is local (window {self.window}) and drops what leaves its "
                             f"window: {error}") from None
