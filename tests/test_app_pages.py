@@ -68,7 +68,7 @@ def test_compare_page_runs_methods_and_reports(monkeypatch):
         app.button_group(key="compare_show").set_value(view).run()
         assert not app.exception and app.query_params["show"] == view
         drawn[view] = (len(app.get("plotly_chart")), " ".join(c.value for c in app.caption))
-    # memory bars, bytes per layer (with its type), savings per axis, serving layouts, growth; KL; reconstruction +
+    # memory bars, savings per axis, serving layouts, growth, bytes per layer (with its type); KL; reconstruction +
     # key channels; the kept heatmap
     assert [count for count, _ in drawn.values()] == [5, 1, 2, 1], drawn
     assert "KV-Compress" in drawn["Memory"][1] and app.query_params["block"] == "16"

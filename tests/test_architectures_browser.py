@@ -50,7 +50,8 @@ def test_architectures_gemma3_every_page_s_default_run_in_chromium(server, page)
     page.get_by_text("KV bytes per layer at the end").wait_for(timeout=60_000)
     settle(page)
     no_exception(page)
-    shoot(page, "gemma-compare-memory", anchor="Diagnostics")
+    assert "global" in page.inner_text("body") and "local 512" in page.inner_text("body")  # layouts per layer type
+    shoot(page, "gemma-compare-memory", element=f"{dom.PLOT} >> nth=4")
 
     ran(page, f"{server}/Needle?{GEMMA}", "Run the grid", "Grid as CSV")
     page.goto(f"{server}/Memory_planner?model_config=Gemma-3-27B&context=131072&{GEMMA}", timeout=60_000)

@@ -139,12 +139,12 @@ def memory_view(loaded: LoadedModel, comparison: Comparison, measured: list) -> 
         return
     card = model_card(loaded)
     st.plotly_chart(plots.memory_figure(memory, card.weight_bytes), width="stretch")
-    st.plotly_chart(plots.layer_bytes_figure({r.method: r.kv_bytes_per_layer for r in measured},
-                                             card.layer_types.labels()), width="stretch")
     st.plotly_chart(plots.axis_factors_figure({r.method: r.axis_factors.to_json() for r in measured
                                                if r.axis_factors is not None}), width="stretch")
     layouts_view(comparison)
     st.plotly_chart(plots.kv_growth_figure({r.method: r.kv_bytes_per_step for r in measured}), width="stretch")
+    st.plotly_chart(plots.layer_bytes_figure({r.method: r.kv_bytes_per_layer for r in measured},
+                                             card.layer_types.labels()), width="stretch")
 
 
 def divergence_view(measured: list) -> None:
@@ -199,8 +199,8 @@ def kept_view(loaded: LoadedModel, comparison: Comparison, measured: list) -> No
     window = "" if kind == "global" else (f" A local layer (window {card.layer_types.window}) keeps at most the last "
                                           f"{card.layer_types.window - 1} tokens whatever the method: the model's own "
                                           "attention never reads further.")
-    st.caption(f"{chosen}, layer {layer} ({kind}), after step {step}: {fraction.mean():.0%} of prompt tokens cached "
-               f"(green: every KV head kept it, amber: some, red: none).{window}")
+    st.caption(f"{chosen}, layer {layer}, after step {step}: {fraction.mean():.0%} of prompt tokens cached (green: "
+               f"every KV head kept it, amber: some, red: none). Layer {layer} is {kind}.{window}")
     st.html(plots.kept_map_html(prompt_tokens, fraction))
     st.plotly_chart(plots.kept_heatmap(mask, f"{layer} ({kind})", chosen), width="stretch")
 
