@@ -58,7 +58,7 @@ def test_each_step_runs_the_requests_the_bench_times(real_model, monkeypatch):
         asked.append(request)
         if isinstance(request, CompareRequest):
             raise _Stopped
-        return request.compute(loaded)
+        return request.run(loaded)
 
     monkeypatch.setattr(results, "result_for", record)
     expected = step_requests(real_model)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _process_state() -> tuple:
-    return (gc.isenabled(), gc.get_threshold(), gc.get_freeze_count(), dict(os.environ), catalog._own[0])
+    return (gc.isenabled(), gc.get_threshold(), gc.get_freeze_count(), dict(os.environ), catalog.own_presses())
 
 
 @pytest.fixture
@@ -47,14 +47,14 @@ def test_loading_a_model_changes_nothing_process_wide(c_calls, real_model):
 
 
 def test_the_server_starts_once_with_its_settings(monkeypatch):
-    monkeypatch.setattr(startup, "_started", [])
+    monkeypatch.setattr(startup, "_SERVER", startup._Server())
     monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")
     try:
         settings = startup.start_server()
-        assert catalog._own[0].paths == ("tests.own_presses.KeyScalingPress",)
+        assert catalog.own_presses().paths == ("tests.own_presses.KeyScalingPress",)
         monkeypatch.setenv("KVVIZ_PRESSES", "")
         assert startup.start_server() is settings, "once per process: a rerun of app.py changes nothing"
-        assert catalog._own[0].paths == ("tests.own_presses.KeyScalingPress",)
+        assert catalog.own_presses().paths == ("tests.own_presses.KeyScalingPress",)
     finally:
         catalog.configure_presses((), True)
 
@@ -63,9 +63,9 @@ def test_the_app_entry_starts_the_server_and_the_pages_only_read_settings():
     assert "start_server()" in (ROOT / "app.py").read_text()
     from kvviz_app import chrome
 
-    before = catalog._own[0]
+    before = catalog.own_presses()
     chrome.settings()
-    assert catalog._own[0] is before, "a page's getter does not replace the catalog"
+    assert catalog.own_presses() is before, "a page's getter does not replace the catalog"
 
 
 def test_streamlits_full_collection_after_every_rerun_is_off_in_the_served_config(monkeypatch):

@@ -18,7 +18,7 @@ from kvviz.runs import ResultStore  # noqa: E402
 from kvviz.runtime.cluster import ClusterConfig, ClusterError, ModelSource, WorkerPool, connect, disconnect  # noqa: E402
 from kvviz.runtime.models import load_model  # noqa: E402
 from kvviz.studies.sweep import run_sweep  # noqa: E402
-from kvviz.studies.sweep_ray import KEPT, sharded_rows  # noqa: E402
+from kvviz.studies.sweep_ray import WORKER_POOLS, sharded_rows  # noqa: E402
 from kvviz.studies.workloads import PromptCase, PromptWorkload  # noqa: E402
 
 SPECS = ["snapkv", "kivi:residual=0"]
@@ -31,7 +31,7 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     assert ray.util.get_node_ip_address() == "127.0.0.1", "the variable alone keeps a local node on loopback"
     yield
-    KEPT.close()
+    WORKER_POOLS.close()
     disconnect()
 
 
@@ -89,7 +89,7 @@ def test_a_ray_sweep_reports_what_the_process_does_and_resumes_from_stored_shard
 def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(cluster, folder, loaded, tmp_path):
     workload = prompt_set(6)
     config, source = ClusterConfig(workers=2, shard_items=1, keep_seconds=60), ModelSource(str(folder), "cpu")
-    with KEPT.lease(config, source) as pool:
+    with WORKER_POOLS.lease(config, source) as pool:
         first = pool.pids()
     killed: list[int] = []
 
@@ -102,7 +102,7 @@ def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(clust
     store = ResultStore(tmp_path)
     report = run_sweep(loaded, workload, SPECS, BUDGETS, kill_on_first_shard,
                        sharded_rows(config, source, workload, store))
-    assert KEPT.kept() == [pool], "the sweep ran on the kept workers and kept them again"
+    assert WORKER_POOLS.kept() == [pool], "the sweep ran on the kept workers and kept them again"
     assert killed and set(pool.pids()).isdisjoint(first)  # Ray restarted both workers
     assert report.shard_run.shards == 6 and report.shard_run.shards_reused == 0
     assert [item["id"] for item in report.items] == [f"p{i}" for i in range(6)]
@@ -113,7 +113,7 @@ def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(clust
 
 
 def test_a_worker_without_the_model_is_named_and_the_start_gives_its_cpus_back(cluster):
-    KEPT.close()
+    WORKER_POOLS.close()
     with pytest.raises(ClusterError, match=r"^worker 127\.0\.0\.1 \(pid \d+\) cannot load kvviz-test/no-such-model"):
         WorkerPool(ClusterConfig(workers=2), ModelSource("kvviz-test/no-such-model", "cpu"))
     deadline = time.monotonic() + 10
@@ -139,4 +139,4 @@ def test_with_a_ray_address_the_trade_offs_page_sweeps_on_the_cluster(cluster, m
     app = sweep(opened(), "streaming_llm", 0.25, "needle", 2)
     assert "configurations on 2 needle items" in app.success[0].value
     assert any(f"Measured on the Ray cluster: 2 shards on 1 Ray worker ({here})" in str(c.value) for c in app.caption)
-    assert len(KEPT.kept()) == 1, "the server keeps its workers for the next sweep"
+    assert len(WORKER_POOLS.kept()) == 1, "the server keeps its workers for the next sweep"
