@@ -165,3 +165,38 @@ def test_the_page_tables_follow_the_sidebar(doc):
     rows = re.findall(r"^\| ([A-Z][\w -]+?) \| ", (ROOT / doc).read_text(), flags=re.M)
     assert [row for row in rows if row in sidebar] == [title for title in sidebar if title in rows]
     assert len([row for row in rows if row in sidebar]) >= 8
+
+
+SETTING_WIDGETS = {"radio", "selectbox", "select_slider", "slider", "number_input", "multiselect", "checkbox",
+                   "text_input", "text_area", "toggle", "segmented_control", "pills"}
+NOT_SETTINGS = {  # widgets a page draws directly, and why they are not settings a link carries
+    "tail_failure": "which failure of the result on screen to inspect",
+    "sweep_measure": "which of the result's measures the chart draws",
+    "planner_measure": "a switch that runs the model on demand",
+    "planner_layouts": "a switch that runs the model on demand",
+    "prefix_preamble": "a long pasted text, kept in the page (too long for an address)",
+    "prefix_questions": "pasted questions, kept with their preamble",
+}
+
+
+def test_every_page_setting_starts_from_the_link():
+    """The README says every page keeps its settings in the URL: every setting widget of a page is built through
+    kvviz_app.url (a lambda handed to ``linked``), except the few named above."""
+    import ast
+
+    plain = []
+    for page in sorted((ROOT / "views").glob("*.py")):
+        tree = ast.parse(page.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and getattr(node.func.value, "id", "") == "st" and node.func.attr in SETTING_WIDGETS):
+                continue
+            ancestor, in_lambda = parents.get(node), False
+            while ancestor is not None and not in_lambda:
+                in_lambda, ancestor = isinstance(ancestor, ast.Lambda), parents.get(ancestor)
+            key = next((ast.literal_eval(k.value) for k in node.keywords if k.arg == "key"
+                        and isinstance(k.value, ast.Constant)), None)
+            if not in_lambda and key not in NOT_SETTINGS:
+                plain.append(f"{page.name}:{node.lineno} st.{node.func.attr} key={key}")
+    assert plain == [], "build it with kvviz_app.url's settings (or say in NOT_SETTINGS why it is none)"

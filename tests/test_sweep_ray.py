@@ -140,3 +140,68 @@ def test_with_a_ray_address_the_trade_offs_page_sweeps_on_the_cluster(cluster, m
     assert "configurations on 2 needle items" in app.success[0].value
     assert any(f"Measured on the Ray cluster: 2 shards on 1 Ray worker ({here})" in str(c.value) for c in app.caption)
     assert len(WORKER_POOLS.kept()) == 1, "the server keeps its workers for the next sweep"
+
+
+def test_a_second_users_comparison_beside_a_ray_sweep_takes_about_what_it_takes_alone(cluster, folder, real_model):
+    """While a sweep of 4 shards runs on the cluster, submitted as the Trade-offs page submits it, the sweep holds no
+    place in the server's engine: another student's short comparison is admitted at once and finishes within 1.5x of
+    its time alone (before, the sweep held the model for its whole length and the student waited for all of it)."""
+    import statistics
+
+    from kvviz.engine.session import encode_prompt
+    from kvviz.runs import CompareRequest, SweepRequest
+    from kvviz.runtime.jobs import Status
+
+    engine = real_model.engine
+    here = ray.get_runtime_context().gcs_address
+    sweep = SweepRequest(prompt_set(16), tuple(SPECS), tuple(BUDGETS), ClusterConfig(here, workers=1, shard_items=4),
+                         ModelSource(str(folder), "cpu"))
+    student = CompareRequest(tuple(encode_prompt(real_model.tokenizer, "Name two planets.", chat=True)),
+                             ("full", "window:window=12"), 3)
+
+    def comparison_seconds() -> float:
+        started = time.perf_counter()
+        engine.submit(student.job(real_model), "student").result(120)
+        return time.perf_counter() - started
+
+    comparison_seconds()  # warm-up
+    alone = [comparison_seconds() for _ in range(3)]
+    running = engine.submit(sweep.job(real_model), "teacher", abandon_after=None)
+    deadline = time.monotonic() + 120
+    while not running.message.startswith("shard 0 of 4") and time.monotonic() < deadline:  # its worker is up
+        time.sleep(0.05)
+    beside = comparison_seconds()
+    assert running.status is Status.ELSEWHERE, "the sweep was still waiting on its shards when the student's run ended"
+    report = running.result(300)
+    alone.append(comparison_seconds())
+    assert report.shard_run.shards == 4
+    ratio = beside / statistics.median(alone)
+    print(f"a student's comparison beside a 4-shard Ray sweep: {beside:.2f} s, alone {statistics.median(alone):.2f} s "
+          f"({ratio:.2f}x)")
+    assert ratio <= 1.5, f"{beside:.2f} s beside the sweep against {statistics.median(alone):.2f} s alone"
+
+
+def test_a_cancelled_ray_sweep_stops_giving_out_shards_and_its_workers_go_back(cluster, folder, real_model,
+                                                                                tmp_path, monkeypatch):
+    from kvviz.runs import SweepRequest
+    from kvviz.runtime.jobs import Cancelled, Status
+
+    monkeypatch.setenv("KVVIZ_RESULTS", str(tmp_path / "store"))
+    here = ray.get_runtime_context().gcs_address
+    cases = [PromptCase(f"p{i}", "", tuple(range(100 + i, 400 + i))) for i in range(24)]
+    workload = PromptWorkload(tuple(cases), max_new_tokens=48)  # shards long enough to cancel between them
+    sweep = SweepRequest(workload, tuple(SPECS), tuple(BUDGETS), ClusterConfig(here, workers=1, shard_items=2),
+                         ModelSource(str(folder), "cpu"))
+    running = real_model.engine.submit(sweep.job(real_model), "teacher")
+    deadline = time.monotonic() + 120
+    while not running.message.startswith("shard 1 of 12") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    running.cancel()
+    with pytest.raises(Cancelled):
+        running.result(5)
+    assert running.status is Status.CANCELLED
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2, "the sweep's worker was released"
+    assert len(list((tmp_path / "store" / "sweep_shard").glob("*.pkl"))) < 12, "no shard given out after the cancel"

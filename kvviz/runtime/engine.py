@@ -55,6 +55,7 @@ from kvviz.runtime.waiting import WaitingLine
 T = TypeVar("T")
 IDLE_SECONDS = 60.0  # an engine thread without work for this long exits (a new one starts with the next work)
 HISTORY = 1000  # finished runs remembered (who and when: waits and fairness)
+LOOK_SECONDS = 1.0  # how often an engine with nothing to run looks at the runs waiting elsewhere (abandoned pages)
 
 
 class _Run:
@@ -166,17 +167,27 @@ class Engine:
             self._lock.notify_all()
 
     def _loop(self) -> None:
+        idle_since = time.monotonic()
         while True:
             with self._lock:
-                if not self._lock.wait_for(lambda: self._line or self._running, timeout=self.idle_seconds):
-                    self._thread = None  # idle: this thread ends; the next work starts another
-                    return
+                self._lock.wait_for(self._has_work, timeout=min(LOOK_SECONDS, self.idle_seconds))
+                if not self._has_work() and not self._elsewhere:
+                    if time.monotonic() - idle_since >= self.idle_seconds:
+                        self._thread = None  # idle: this thread ends; the next work starts another
+                        return
+                    continue
+                idle_since = time.monotonic()  # runs waiting elsewhere are looked at too (cancelled, abandoned)
                 stopped = self._schedule()
             for run in stopped:
                 self._stop(run)
             self._execute()
             self._forward()
             self._update()
+
+    def _has_work(self) -> bool:
+        """Runs to admit or advance, or a run waiting elsewhere whose client cancelled it (hold ``_lock``)."""
+        return bool(self._line or self._running
+                    or any(run.handle.cancel_requested for run in self._elsewhere.values()))
 
     def _schedule(self) -> list[_Run]:
         """Drop cancelled and abandoned runs, then admit waiting runs in turn; return the running runs to stop."""
