@@ -168,3 +168,36 @@ def test_a_studys_progress_reports_and_errors_reach_its_caller(tiny_model, story
     assert reports and reports[-1] == pytest.approx(1.0, abs=0.1)
     with pytest.raises(ValueError, match="at least 2 tokens"):
         streaming_perplexity(tiny_model, story_ids[:1], "full")
+
+
+def _study_jobs(loaded, ids: list[int]) -> dict[str, Job]:
+    """Each study as the job its function submits, sized to two items."""
+    from kvviz.studies.needle import needle_job
+    from kvviz.studies.perplexity import perplexities_job, perplexity_job
+    from kvviz.studies.prefix_reuse import context_cost_job, turns_job
+    from kvviz.studies.prefix_sharing import sharing_job
+    from kvviz.studies.tail import tail_job
+
+    return {"needle": needle_job(loaded, ["window:window=16"], [96], [0.25, 0.75], chat=False, max_new_tokens=2),
+            "tail": tail_job(loaded, ["window:window=40"], ["needle"], [200], [0.3, 0.6]),
+            "perplexity": perplexity_job(loaded, ids[:100], "window:window=16"),
+            "perplexities": perplexities_job(loaded, ids[:100], ["full", "window:window=16"]),
+            "turns": turns_job(loaded, [ids[:40], ids[:60]], block_tokens=16),
+            "context_cost": context_cost_job(loaded, ids, [16, 32]),
+            "sharing": sharing_job(loaded, ids[:40], ids[40:45], ids[50:55], ["window:window=16"], 2)}
+
+
+@pytest.mark.parametrize("study", ["needle", "tail", "perplexity", "perplexities", "turns", "context_cost",
+                                   "sharing"])
+def test_every_study_gives_the_model_back_between_its_items(tiny_model, story_ids, study):
+    """One run at a time: a second user's run waiting behind a study is admitted between the study's items."""
+    engine = Engine(tiny_model.model, "cpu", tiny_model.prefix_cache, admission=ONE_AT_A_TIME)
+
+    def short(progress):
+        yield Stage.MEASURE
+
+    handle, other = engine.submit_all([_study_jobs(tiny_model, story_ids)[study], Job(short, RunSize())],
+                                      ["teacher", "student"])
+    handle.result(300)
+    other.result(5)
+    assert handle.started_at < other.started_at < other.finished_at < handle.finished_at

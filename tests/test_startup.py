@@ -79,3 +79,15 @@ def test_streamlits_full_collection_after_every_rerun_is_off_in_the_served_confi
         assert config.get_option("runner.postScriptGC") is False
     finally:
         config.get_config_options(force_reparse=True)
+
+
+def test_only_a_local_ray_start_writes_the_environment():
+    """architecture.md: the process-wide settings are the start-up's, and a local Ray instance's loopback switch,
+    which Ray reads once when it is imported; no other module writes the environment."""
+    import re
+
+    writes = re.compile(r"os\.environ\[[^]]+\]\s*=[^=]|os\.environ\.(setdefault|update|pop|clear)\(|os\.putenv\(")
+    writers = sorted(str(path.relative_to(ROOT)) for folder in ("kvviz", "kvviz_app", "views")
+                     for path in (ROOT / folder).rglob("*.py") if writes.search(path.read_text()))
+    assert writers == ["kvviz/runtime/cluster.py"]
+    assert 'os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"' in (ROOT / "kvviz/runtime/cluster.py").read_text()

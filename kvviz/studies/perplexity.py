@@ -141,6 +141,11 @@ def streaming_perplexity(
     """Perplexity of ``token_ids`` under ``spec``, over positions >= ``start`` (position 0 is never predicted).
     One job on the model's engine, whose result this waits for: the arguments checked here, then the text fed in
     steps of :data:`STREAM_STEP` tokens (``full``: of :data:`CHUNK`), other runs taking turns between them."""
+    return loaded.engine.run(perplexity_job(loaded, token_ids, spec, start), progress)
+
+
+def perplexity_job(loaded: LoadedModel, token_ids: list[int], spec: str, start: int = 0) -> Job[PerplexityResult]:
+    """:func:`streaming_perplexity` as a job: the arguments checked here, then the text fed in steps."""
     stack = parse_spec(spec)
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
@@ -148,8 +153,7 @@ def streaming_perplexity(
     if first >= len(token_ids):
         raise ValueError(f"start {start} leaves no token to score in a text of {len(token_ids)} tokens")
     check_context(loaded, len(token_ids), room=0, what="the text")
-    job = Job(functools.partial(_perplexity_steps, loaded, list(token_ids), stack.label, first), ALONE, "ppl")
-    return loaded.engine.run(job, progress)
+    return Job(functools.partial(_perplexity_steps, loaded, list(token_ids), stack.label, first), ALONE, "ppl")
 
 
 def _perplexity_steps(loaded: LoadedModel, token_ids: list[int], spec: str, first: int,
@@ -175,11 +179,16 @@ def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: lis
     Each row equals its method streamed alone up to the last bits: a forward of several rows pads its linear
     layers (:mod:`kvviz.runtime.invariance`), while :func:`streaming_perplexity` feeds one row unpadded. One job on
     the model's engine, in steps of :data:`STREAM_STEP` tokens."""
+    return loaded.engine.run(perplexities_job(loaded, token_ids, specs), progress)
+
+
+def perplexities_job(loaded: LoadedModel, token_ids: list[int],
+                     specs: list[str]) -> Job[list[PerplexityResult | SpecError]]:
+    """:func:`streaming_perplexities` as a job: the text checked here, then streamed in steps."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     check_context(loaded, len(token_ids), room=0, what="the text")
-    job = Job(functools.partial(_perplexities_steps, loaded, list(token_ids), list(specs)), ALONE, "ppl")
-    return loaded.engine.run(job, progress)
+    return Job(functools.partial(_perplexities_steps, loaded, list(token_ids), list(specs)), ALONE, "ppl")
 
 
 def _perplexities_steps(loaded: LoadedModel, token_ids: list[int], specs: list[str],
