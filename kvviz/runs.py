@@ -35,10 +35,12 @@ from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 from kvviz.runtime.settings import results_folder
 from kvviz.studies.needle import NeedleReport, needle_job
+from kvviz.studies.paired import DEFAULT_MARGIN
 from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost_job, turns_job
 from kvviz.studies.prefix_sharing import SharingReport, sharing_job
 from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, check_sweep, run_sweep
 from kvviz.studies.sweep_ray import sharded_rows
+from kvviz.studies.sweep_rounds import Adaptive
 from kvviz.studies.sweep_shards import ModelKey, ShardKey
 from kvviz.studies.tail import TailReport, tail_job
 from kvviz.studies.workloads import Workload
@@ -230,24 +232,27 @@ class SweepRequest(RunRequest):
     cluster: ClusterConfig | None = field(default=None, compare=False, repr=False)
     worker_model: ModelSource | None = field(default=None, compare=False, repr=False)  # None: the loaded model's name
     block_size: int = DEFAULT_BLOCK_SIZE  # token slots per block of the paged layouts (kvviz.cache.layouts)
+    margin: float = DEFAULT_MARGIN  # fixed before the run: an adaptive sweep stops its points on it
+    adaptive: Adaptive | None = None  # rounds until decided (None: one look at every item)
 
     def job(self, loaded: LoadedModel) -> Job[SweepReport]:
         """The sweep runs as a client of the engine, off the model: a thread of its own plans it, waits for its
-        measurements and judges them, holding no place in the engine meanwhile. In this process each wave of items
-        is a job of its own (:func:`kvviz.engine.batched.decode_prompts`), admitted beside other users' runs as the
-        admission policy says; on a cluster the shards run on Ray workers and nothing waits here but the thread."""
+        measurements and judges them, holding no place in the engine meanwhile. In this process each wave of a
+        round's items is a job of its own (:func:`kvviz.engine.batched.decode_prompts`), admitted beside other
+        users' runs as the admission policy says; on a cluster the shards run on Ray workers and nothing waits here
+        but the thread."""
         check_sweep(list(self.specs), list(self.budgets), self.workload)
         return Job(functools.partial(_elsewhere_steps, functools.partial(self.measure, loaded)),
                    RunSize(0, loaded.device), self.kind)
 
     def measure(self, loaded: LoadedModel, progress: Progress, stop: threading.Event) -> SweepReport:
         """The sweep itself, on the thread the engine gave it (``stop``: set when the run is cancelled)."""
-        rows = None
+        source, store = None, ResultStore.default()
         if self.cluster is not None:
-            source = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
-            rows = sharded_rows(self.cluster, source, self.workload, ResultStore.default(), self.block_size, stop)
-        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, rows,
-                         block_size=self.block_size)
+            worker = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
+            source = sharded_rows(self.cluster, worker, self.workload, store, self.block_size, stop)
+        return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, source,
+                         margin=self.margin, block_size=self.block_size, adaptive=self.adaptive, store=store)
 
 
 def _elsewhere_steps(work: Callable[[Progress, threading.Event], T], progress: Progress) -> Steps[T]:

@@ -12,8 +12,10 @@ from tests.tradeoffs_page import opened, sweep
 def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
     app = opened()
     assert not app.exception and not app.error
-    assert app.radio(key="sweep_workload").value == "task" and app.number_input(key="sweep_items").value == 32
-    assert "takes at least 73 items" in app.info[0].value, "the plan before Run, for the default 32 items"
+    assert app.radio(key="sweep_workload").value == "task" and app.radio(key="sweep_design").value == "adaptive"
+    assert app.number_input(key="sweep_cap").value == 256 and app.number_input(key="sweep_time").value == 150
+    plan = next(m.value for m in app.markdown if "A configuration losing 0 points" in m.value)
+    assert plan.startswith("Adaptive, up to 256 items in rounds of 16, 3 families"), "the power of the design first"
     families = app.multiselect(key="sweep_families")
     assert "snapkv" in families.value and any("sweeps budget" in o for o in families.options)
     sweep(app, "streaming_llm", 0.125, "needle", 3)
@@ -25,8 +27,8 @@ def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
     assert "every item at every budget" in grid
     failures, table = app.dataframe[0].value, app.dataframe[1].value
     assert list(table["spec"])[0] == "full" and table["accuracy_ci"].notna().all()
-    assert table["verdict"].iloc[0] is None and table["verdict"].iloc[1] in ("worse", "inconclusive")
-    assert any("Newcombe" in str(c.value) for c in app.caption)
+    assert table["verdict"].iloc[0] is None and table["verdict"].iloc[1] == "inconclusive", "3 items prove nothing"
+    assert any("betting confidence sequence" in str(c.value) for c in app.caption)
     assert any("the full cache is right on" in m.value.lower() for m in app.markdown), "full's real accuracy"
     link = parse_qs(failures["open"].iloc[0].split("?", 1)[1])
     assert link["item"] == [failures["item"].iloc[0]] and link["m"] == ["full", failures["spec"].iloc[0]]
@@ -37,6 +39,19 @@ def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
     app.radio(key="sweep_layout").set_value("paged_shared").run()
     assert any("smaller than full (paged, shared blocks)" in m.value for m in app.markdown), "the summary's bytes"
     assert "paged_shared_compression" in app.dataframe[1].value, "the layout's compression beside the counted one"
+
+
+def test_an_adaptive_sweep_shows_each_point_s_items_and_a_margin_moved_later_is_exploratory():
+    app = sweep(opened(), "streaming_llm", 0.0625, "multikey", 32, adaptive=True)
+    assert "every point decided" in app.success[0].value
+    allocation = app.get("plotly_chart")[1].proto.spec
+    assert "Items each point used, and why it stopped" in allocation and "stopped: proven beyond the margin" in allocation
+    table = app.dataframe[-1].value
+    assert list(table["stopped"])[1] == "beyond" and list(table["verdict"])[1] == "beyond margin"
+    assert not app.warning
+    app.number_input(key="sweep_margin").set_value(10.0).run()
+    assert "**Exploratory.** This run's margin was fixed at 5 points" in app.warning[0].value
+    assert app.markdown and any(m.value.startswith("- Exploratory: the margin was fixed") for m in app.markdown)
 
 
 def test_a_failed_item_opens_in_compare_with_its_own_prompt():

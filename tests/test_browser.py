@@ -262,7 +262,7 @@ def test_bad_links_say_what_they_changed_and_run_nothing(server, page):
 
 
 def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server, page):
-    # three families on 32 multikey items of 256 tokens
+    # three families on multikey items of 256 tokens, adaptive: rounds until every point is decided (or 150 s)
     ready(page, f"{server}/Trade_offs", "Run the sweep").click()
     page.locator(dom.RUNNING).wait_for(timeout=60_000)
     page.wait_for_timeout(700)  # the still label shows once a run has lasted half a second
@@ -270,16 +270,16 @@ def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server,
         "app => [getComputedStyle(app, '::after').content, getComputedStyle(app, '::after').visibility]")
     assert label == ['"Running…"', "visible"], label
     assert page.locator(dom.STATUS_WIDGET).count() == 0, "no header, no animated icon"
-    page.get_by_text("configurations on 32 multikey items").wait_for(timeout=600_000)
+    page.get_by_text("Items each point used").first.wait_for(timeout=600_000)
     settle(page)
     no_exception(page)
     body = page.inner_text("body")
-    assert "Before you run." in body and "takes at least 73 items" in body, "the plan, on screen"
-    assert "The full cache is right on" in body and "of 32 items" in body, "full's real accuracy"
-    assert "Newcombe" in body and "McNemar" in body and "Holm" in body, "the rules the verdicts read"
-    assert "indistinguishable" not in body and ("within_margin" in body or "inconclusive" in body)
+    assert "What this run can decide" in body, "the plan, on screen before the run"
+    assert "The full cache is right on" in body and "multikey items" in body, "full's real accuracy"
+    assert "betting confidence sequence" in body and "closed procedure" in body and "Holm" in body, "the rules"
+    assert "indistinguishable" not in body and "beyond margin" in body
     page.locator(dom.PLOT).first.wait_for(timeout=60_000)  # plotly draws after the script ends
-    assert page.locator(dom.PLOT).count() == 4, "the trade-off chart and each family's item grid"
+    assert page.locator(dom.PLOT).count() == 5, "the trade-off chart, the items each point used, each family's grid"
     chart = page.locator(dom.PLOT).first.inner_text()
     assert "frontier" in chart and "full's 95% interval" in chart
     shoot(page, "tradeoffs", element=dom.PLOT)

@@ -1,152 +1,151 @@
-"""Judging a configuration against full on the same items: Newcombe's paired interval, the exact McNemar test,
-Holm's adjustment, verdicts against a margin, cliffs that are proofs, and the plan of a run."""
+"""Judging a configuration against full on the same items: units (items, or documents), the worked examples of
+docs/quality.md, verdicts in four words, cliffs and the recommendation read from the same decisions, the margin
+fixed before the run, and the plan as a power calculation."""
 
-import random
-
+import numpy as np
 import pytest
 
+from kvviz.studies.intervals import wilson
 from kvviz.studies.paired import (
     INCONCLUSIVE,
-    WITHIN,
-    WORSE,
-    Table,
-    holm,
-    margin_p_binary,
-    mcnemar_exact,
-    newcombe_paired,
-    paired_binary,
-    paired_mean,
-    units_to_prove,
+    VERDICT_BEYOND,
+    VERDICT_WITHIN,
+    VERDICT_WORSE,
+    newcombe_lower,
+    unit_differences,
 )
-from kvviz.studies.power import detectable_loss, items_for_margin, plan, power_against
-from kvviz.studies.verdicts import find_cliff
+from kvviz.studies.power import plan
+from kvviz.studies.sweep import Family, SweepPoint, SweepReport
+from kvviz.studies.sweep_measure import Outcome
+from kvviz.studies.verdicts import judged_report
 
 
 def test_newcombe_matches_the_published_paired_example():
     # Fagerland, Lydersen & Laake, Statistical Analysis of Contingency Tables (2017), ch. 8: complete response before
     # and after consolidation therapy (Cavo et al. 2012), [[59, 6], [16, 80]]: estimate -0.0621, 95% CI -0.1186 to
     # -0.0046 by Newcombe's square-and-add (hybrid score) interval. Rows are "ours", columns "full".
-    low, high = newcombe_paired(Table(both_right=59, lost=16, gained=6, both_wrong=80))
-    assert (round(low, 4), round(high, 4)) == (-0.1186, -0.0046)
-    assert newcombe_paired(Table(59, 6, 16, 80)) == pytest.approx((0.0046, 0.1186), abs=1e-4), "swapped: mirrored"
-    assert newcombe_paired(Table(0, 0, 0, 0)) is None
+    assert round(float(newcombe_lower(59, 16, 6, 80)), 4) == -0.1186
 
 
-def test_exact_mcnemar_values():
-    assert mcnemar_exact(6, 0) == pytest.approx(0.03125)  # 2 / 2^6
-    assert mcnemar_exact(5, 0) == pytest.approx(0.0625)
-    assert mcnemar_exact(16, 6) == pytest.approx(2 * 110056 / 2 ** 22)  # P(X <= 6 | 22, 1/2) summed by hand
-    assert mcnemar_exact(2, 2) == 1.0 and mcnemar_exact(0, 0) == 1.0 and mcnemar_exact(3, 4) == 1.0
+def test_groups_are_the_units_their_difference_the_mean_over_their_items():
+    differences = unit_differences([1, 1, 1, 0], [0, 1, 1, 1], ["a", "a", "b", "b"])
+    assert differences.tolist() == [-0.5, 0.5]
+    assert unit_differences([1, 0], [0, 0]).tolist() == [-1.0, 0.0]
 
 
-def test_holm_adjusts_step_down_and_keeps_order():
-    assert holm([0.01, 0.04, None, 0.03]) == pytest.approx([0.03, 0.06, None, 0.06])
-    assert holm([0.5, 0.5]) == [1.0, 1.0] and holm([]) == []
+def report_of(per_spec: dict[str, list[bool]], groups: list[str] | None = None, margin: float = 5.0,
+              family: str = "f") -> SweepReport:
+    """A measured task sweep from outcomes alone: SPEC (full, then ``f:COMPRESSION``) -> right per item."""
+    items = len(per_spec["full"])
+    points = []
+    for spec, right in per_spec.items():
+        compression = 1.0 if spec == "full" else float(spec.split(":")[1])
+        point = SweepPoint(spec, "full" if spec == "full" else spec.split(":")[0],
+                           "fixed" if spec == "full" else "eviction", None if spec == "full" else 1 / compression,
+                           kv_bytes=round(1000 / compression), kv_bytes_full=1000)
+        point.outcomes = [Outcome(f"i{k}", r) for k, r in enumerate(right)]
+        point.accuracy, point.accuracy_ci, point.items_scored = sum(right) / len(right), wilson(sum(right),
+                                                                                               len(right)), len(right)
+        points.append(point)
+    families = [Family(name, name, ("budget",), "eviction") for name in dict.fromkeys(p.family for p in points[1:])]
+    report = SweepReport("m", f"{items} items", "task", 100, [0.25], families, points, ["accuracy"], 0.0,
+                         items=[{"id": f"i{k}"} for k in range(items)], groups=groups, margin=margin,
+                         margin_fixed=margin)
+    return judged_report(report, margin, 0.9)
 
 
-def test_six_lost_and_none_gained_of_32_is_worse():
-    judged = paired_binary([True] * 32, [True] * 26 + [False] * 6, margin_points=5)
-    assert (judged.lost, judged.gained, judged.verdict) == (6, 0, WORSE)
-    assert judged.p_value == pytest.approx(0.031, abs=5e-4) and judged.difference == pytest.approx(-6 / 32)
-    assert judged.difference_ci[1] < 0 and "worse" in judged.describe()
+def shuffled(items: int, full_right: int, lost: int, gained: int = 0, seed: int = 0) -> tuple[list, list]:
+    """Full's and a configuration's outcomes on ``items`` items, in a random order (as a seed's items come)."""
+    full = [True] * full_right + [False] * (items - full_right)
+    ours = list(full)
+    for k in range(lost):
+        ours[k] = False
+    for k in range(gained):
+        ours[items - 1 - k] = True
+    order = np.random.default_rng(seed).permutation(items)
+    return [full[i] for i in order], [ours[i] for i in order]
 
 
-def test_losses_and_gains_that_cancel_are_never_worse():
-    full = [True, True, False, False] + [True] * 28
-    ours = [False, False, True, True] + [True] * 28
-    judged = paired_binary(full, ours, margin_points=5)
-    assert (judged.lost, judged.gained, judged.difference, judged.p_value) == (2, 2, 0.0, 1.0)
-    assert judged.verdict != WORSE and judged.difference_ci[0] < 0 < judged.difference_ci[1]
+@pytest.mark.parametrize("items, full_right, lost, gained, text, verdict", [
+    (32, 32, 6, 0, "-18.8 points [-43.4, +1.1]", INCONCLUSIVE),
+    (32, 24, 0, 0, "+0.0 points [-13.5, +13.5]", INCONCLUSIVE),
+    (72, 72, 0, 0, "+0.0 points [-6.3, +6.3]", INCONCLUSIVE),
+    (128, 96, 0, 0, "+0.0 points [-3.6, +3.6]", VERDICT_WITHIN),
+    (200, 150, 1, 0, "-0.5 points [-3.6, +2.0]", VERDICT_WITHIN),
+    (300, 225, 9, 0, "-3.0 points [-6.7, -0.6]", VERDICT_WORSE),
+    (200, 150, 30, 0, "-15.0 points [-22.7, -9.3]", VERDICT_BEYOND),
+])
+def test_the_worked_examples_of_quality_md(items, full_right, lost, gained, text, verdict):
+    full, ours = shuffled(items, full_right, lost, gained)
+    paired = report_of({"full": full, "f:2": ours}).points[1].paired
+    assert (paired.interval_text(), paired.verdict) == (text, verdict)
+    assert (paired.lost, paired.gained, paired.items, paired.units) == (lost, gained, items, items)
 
 
-def test_three_right_of_eight_is_inconclusive_never_within_the_margin():
-    judged = paired_binary([True] * 8, [True] * 3 + [False] * 5, margin_points=5)
-    assert judged.verdict == INCONCLUSIVE, "the exact test does not reject 5 lost of 8 (p = 0.0625)"
-    assert judged.hidden_loss > 80 and judged.describe().startswith("could hide a loss of up to 86 points")
-    for margin in (5, 20, 50):
-        assert paired_binary([True] * 8, [True] * 8, margin).verdict != WITHIN or margin >= 50, \
-            "even 8 of 8 proves only a very wide margin"
+def test_too_few_units_say_how_many_any_test_needs():
+    paired = report_of({"full": [True] * 32, "f:2": [True] * 32}).points[1].paired
+    assert paired.describe() == "is inconclusive: 32 items cannot prove the margin, however alike (at least 72 can)"
 
 
-def test_a_point_is_within_the_margin_only_when_the_interval_proves_it():
-    full = [True] * 150 + [False] * 50
-    same = paired_binary(full, full, margin_points=5)
-    assert same.verdict == WITHIN and same.margin_p < 0.025
-    one_lost = paired_binary(full, [False] + full[1:], margin_points=5)
-    assert one_lost.verdict == WITHIN and one_lost.margin_p > same.margin_p
-    many_lost = paired_binary(full, [False] * 20 + full[20:], margin_points=5)
-    assert many_lost.verdict == WORSE and margin_p_binary(Table(130, 20, 0, 50), 5) == 1.0
+def test_two_documents_prove_nothing_however_many_items_they_hold():
+    """The review found `worse` declared from two documents when McNemar counted items: units are documents now."""
+    groups = ["a"] * 20 + ["b"] * 20
+    paired = report_of({"full": [True] * 40, "f:2": [False] * 40}, groups).points[1].paired
+    assert (paired.items, paired.units, paired.verdict) == (40, 2, INCONCLUSIVE)
+    assert paired.p_value > 0.2
+    alone = report_of({"full": [True] * 40, "f:2": [False] * 40}).points[1].paired
+    assert alone.verdict == VERDICT_BEYOND
 
 
-def test_agreement_is_judged_on_each_prompts_loss_against_full():
-    three_broken = [-1.0] * 3 + [0.0] * 29  # 3 of 32 prompts at 0% agreement
-    assert paired_mean(three_broken, margin_points=2).verdict != WITHIN
-    four_slight = [-0.01] * 4 + [0.0] * 196  # 4 of 200 prompts at 99%
-    judged = paired_mean(four_slight, margin_points=2)
-    assert judged.verdict == WITHIN and judged.lost == 4 and judged.p_value is None
-    assert paired_mean(four_slight[:32], margin_points=2).units_needed == 183, "32 prompts cannot prove 2 points"
+def test_the_cliffs_and_the_recommendation_read_the_same_decisions():
+    full, _ = shuffled(400, 300, 0)
+    one_lost = [False] + full[1:] if full[0] else [not full[0]] + full[1:]
+    many_lost = [False if k % 4 == 0 else v for k, v in enumerate(full)]
+    report = report_of({"full": full, "f:2": full, "f:4": one_lost, "f:8": many_lost,
+                        "g:3": full, "g:6": many_lost})
+    verdicts = {p.spec: p.paired.verdict for p in report.points[1:]}
+    assert verdicts["f:2"] == verdicts["f:4"] == verdicts["g:3"] == VERDICT_WITHIN
+    assert verdicts["f:8"] == verdicts["g:6"] == VERDICT_BEYOND
+    assert report.cliffs["f"].spec == "f:4" and report.cliffs["g"].spec == "g:3"
+    summary = " ".join(report.summary)
+    assert "Deploy f:4: 4.0x smaller than full and proven within 5 points" in summary
+    assert "across 5 configurations in 2 families" in summary
+    assert "2 are proven below full, 2 of them beyond the margin" in summary
+    for point in report.points[1:]:  # every within verdict's adjusted p passed, every other's did not
+        assert (point.paired.verdict == VERDICT_WITHIN) == (point.paired.margin_p_adjusted <= 0.025)
 
 
-def test_a_few_alike_prompts_cannot_prove_a_margin_whatever_the_bootstrap_says():
-    """Three lossless prompts: the bootstrap's interval is [0, 0], yet a mean loss of 5 points (one prompt in twenty
-    broken) leaves three prompts lossless 86% of the time."""
-    few = paired_mean([0.0] * 3, margin_points=5)
-    assert few.difference_ci == (0.0, 0.0) and few.verdict == INCONCLUSIVE
-    assert few.margin_p == pytest.approx(0.95 ** 3) and few.units_needed == units_to_prove(5) == 72
-    assert "3 items cannot prove the margin" in few.describe()
-    assert paired_mean([0.0] * 72, 5).verdict == WITHIN and paired_mean([0.0] * 71, 5).verdict == INCONCLUSIVE
-    documents = [f"doc{i % 10}" for i in range(100)]
-    assert paired_mean([0.0] * 100, 5, groups=documents).units_needed == 72, "ten documents are ten units"
-    assert paired_binary([True] * 100, [True] * 100, 5, groups=documents).verdict == INCONCLUSIVE
-    assert paired_binary([True] * 100, [True] * 100, 5).verdict == WITHIN, "Newcombe's interval counts items"
+def test_a_cliff_stops_at_the_first_budget_not_proven_whatever_lies_beyond():
+    full, _ = shuffled(400, 300, 0)
+    many_lost = [False if k % 4 == 0 else v for k, v in enumerate(full)]
+    report = report_of({"full": full, "f:2": many_lost, "f:4": full})
+    assert report.points[2].paired.verdict != VERDICT_WITHIN, "the procedure never reaches f:4 for within"
+    cliff = report.cliffs["f"]
+    assert cliff.spec is None and cliff.past == "f:2" and "beyond the margin" in cliff.sentence()
 
 
-def test_groups_widen_the_interval_of_prompts_sharing_a_document():
-    differences = [-1.0, -1.0, -1.0, -1.0] + [0.0] * 28  # the four losses all from one document
-    alone = paired_mean(differences, 5)
-    grouped = paired_mean(differences, 5, groups=["doc0"] * 4 + [f"doc{i}" for i in range(1, 29)])
-    assert grouped.difference == alone.difference
-    assert grouped.difference_ci[0] < alone.difference_ci[0], "one document's failures are one draw, not four"
+def test_a_margin_changed_after_the_run_is_exploratory():
+    full, ours = shuffled(200, 150, 1)
+    report = report_of({"full": full, "f:2": ours})
+    assert not report.points[1].paired.exploratory and report.to_json()["exploratory"] is False
+    moved = judged_report(report, 3.0, 0.9)
+    assert moved.points[1].paired.exploratory and moved.to_json()["exploratory"] is True
+    assert moved.summary[0].startswith("Exploratory: the margin was fixed at 5 points before this run; read at 3")
+    with pytest.raises(ValueError, match="a margin of 100 points is not a loss between 0 and 100"):
+        judged_report(report, 100.0, 0.9)
+    with pytest.raises(ValueError, match="a margin of 0 points"):
+        judged_report(report, 0.0, 0.9)
 
 
-def _family(outcomes_full: list[bool], per_budget: dict[float, list[bool]], margin: float):
-    return [(f"f:{compression}", compression, paired_binary(outcomes_full, outcomes, margin))
-            for compression, outcomes in per_budget.items()]
-
-
-def test_a_cliff_walks_from_the_least_compressed_and_stops_at_the_first_unproven():
-    full = [True] * 150 + [False] * 50
-    per_budget = {2.0: full, 4.0: [False] + full[1:], 8.0: [False] * 30 + full[30:], 16.0: full}
-    cliff = find_cliff("f", _family(full, per_budget, 5), 5)
-    assert (cliff.spec, cliff.past) == ("f:4.0", "f:8.0"), "16x, past the fall, does not move it"
-    sentence = cliff.sentence()
-    assert "proven within 5 points of full up to 4.0x" in sentence and "it is worse than full" in sentence
-    none = find_cliff("f", _family(full[:8], {2.0: full[:8]}, 5), 5, items_needed=73)
-    assert none.spec is None and "takes at least 73 items" in none.sentence()
-    assert find_cliff("f", [("a", 2.0, None)], 5) is None
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_fewer_items_never_move_a_cliff_to_a_higher_compression(seed):
-    rng = random.Random(seed)
-    full = [rng.random() < 0.8 for _ in range(128)]
-    loss_rates = {2.0: 0.0, 4.0: 0.01, 8.0: 0.05, 16.0: 0.3, 32.0: 0.6}
-    per_budget = {c: [f and rng.random() >= rate for f in full] for c, rate in loss_rates.items()}
-    reached = []
-    for n in (128, 64, 32, 16, 8):  # the same outcomes, fewer of them
-        cliff = find_cliff("f", _family(full[:n], {c: o[:n] for c, o in per_budget.items()}, 5), 5)
-        reached.append(cliff.compression or 0.0)
-    assert reached == sorted(reached, reverse=True), reached
-    assert reached[0] >= 2.0 and reached[-1] == 0.0, "128 items prove the lossless point, 8 prove nothing"
-
-
-def test_the_plan_says_what_a_run_can_detect_and_prove():
-    assert detectable_loss(5) is None, "the exact test needs six lost items"
-    loss = detectable_loss(32)
-    assert power_against(32, loss) == pytest.approx(0.8, abs=1e-6) and 0.2 < loss < 0.3
-    assert detectable_loss(128) < detectable_loss(64) < loss
-    needed = items_for_margin(5)
-    assert newcombe_paired(Table(needed, 0, 0, 0))[0] > -0.05 >= newcombe_paired(Table(needed - 1, 0, 0, 0))[0]
-    planned = plan(32, 5)
-    assert planned.items_for_margin == needed and f"takes at least {needed} items" in planned.sentence()
-    assert set(planned.to_json()) == {"items", "margin", "detectable_loss", "items_for_margin", "assumptions"}
+def test_the_plan_is_a_power_calculation_of_the_design():
+    fixed = plan(32, 5.0, 3)
+    assert fixed.fewest_items == 94 and "however alike: it takes at least 94" in fixed.sentence()
+    assert all(row.within.share == 0 for row in fixed.rows)
+    adaptive = plan(256, 5.0, 3, adaptive=True)
+    by_loss = {row.loss_points: row for row in adaptive.rows}
+    assert by_loss[0.0].within.share > 0.95 and 96 <= by_loss[0.0].median_items <= 160
+    assert by_loss[10.0].loss_proven.share > 0.95
+    assert by_loss[0.0].within.share > by_loss[1.0].within.share > by_loss[2.5].within.share
+    assert "Adaptive, up to 256 items in rounds of 16, 3 families" in adaptive.sentence()
+    with pytest.raises(ValueError, match="a margin of 0 points"):
+        plan(32, 0.0)

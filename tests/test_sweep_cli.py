@@ -8,9 +8,10 @@ import pytest
 from kvviz.cli import main, options
 
 POINT_KEYS = {"spec", "family", "budget", "kv_bytes", "compression", "agreement_with_full", "mean_kl", "accuracy",
-              "perplexity", "frontier", "paired", "tail_share", "tail_ci"}
-PAIRED_KEYS = {"items", "lost", "gained", "difference", "difference_ci", "p_value", "p_adjusted", "verdict",
-               "units_needed"}
+              "perplexity", "frontier", "paired", "tail_share", "tail_ci", "items_used", "stopped", "stopped_at_look"}
+PAIRED_KEYS = {"items", "units", "lost", "gained", "difference", "difference_ci", "p_value", "p_adjusted", "margin_p",
+               "margin_p_adjusted", "beyond_p", "beyond_p_adjusted", "verdict", "bound", "bound_level", "margin",
+               "units_needed", "exploratory"}
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -23,6 +24,11 @@ PAIRED_KEYS = {"items", "lost", "gained", "difference", "difference_ci", "p_valu
     (["--task", "needle"], "give at least one --method SPEC"),
     (["--task", "needle", "--method", "snapkv", "--budgets", "a,b"], "bad --budgets 'a,b'"),
     (["--task", "needle", "--method", "snapkv", "--margin", "0"], "--margin 0 is not a loss in points"),
+    (["--task", "needle", "--method", "snapkv", "--margin", "100"], "--margin 100 is not a loss in points"),
+    (["--task", "needle", "--method", "snapkv", "--adaptive", "--max-items", "0"], "needs at least one item"),
+    (["--task", "needle", "--method", "snapkv", "--adaptive", "--time-budget", "0"], "give a number of seconds"),
+    (["--task", "needle", "--method", "snapkv", "--time-budget", "60"], "--max-items and --time-budget go with"),
+    (["--play", "hamlet", "--method", "snapkv", "--adaptive"], "a play is one stream of text, with no items"),
     (["--play", "hamlet", "--method", "snapkv", "--plan"], "--plan needs items: a play is one stream"),
     (["--play", "hamlet", "--method", "snapkv", "--layout", "paged_shared"], "a play's streaming perplexity keeps no"),
 ])
@@ -69,15 +75,15 @@ def test_a_bad_prompt_set_is_named_by_its_line_before_loading_a_model(tmp_path, 
 
 
 def test_a_sweep_json_carries_intervals_outcomes_items_and_cliffs(real_model, tmp_path, monkeypatch, capsys):
-    from kvviz.studies.tail_items import spread_items
+    from kvviz.studies.tail_items import stream_items
 
     monkeypatch.setattr(options, "load", lambda args: real_model)
     out = tmp_path / "sweep.json"
     assert main(["sweep", "--task", "needle", "--task-length", "160", "--items", "3", "--seed", "2", "--method",
                  "streaming_llm", "--budgets", "0.25", "--quiet", "--json", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert [item["id"] for item in data["items"]] == [i.item_id for i in spread_items(real_model.tokenizer, "needle",
-                                                                                      160, 3, seed=2)]
+    assert [item["id"] for item in data["items"]] == [i.item_id for i in stream_items(real_model.tokenizer, "needle",
+                                                                                      160, range(3), seed=2)]
     assert all(set(item) >= {"id", "prompt", "expected"} for item in data["items"])
     full, point = data["points"]
     right = sum(item["full_correct"] for item in data["items"])
@@ -89,10 +95,11 @@ def test_a_sweep_json_carries_intervals_outcomes_items_and_cliffs(real_model, tm
     assert point["paired"]["lost"] == kinds.count("lost") and point["paired"]["gained"] == kinds.count("gained")
     (family,) = data["families"]
     assert family["spec"] == "streaming_llm" and family["cliff"]["family"] == "streaming_llm"
-    assert data["rules"]["interval"].startswith("95% Wilson score interval") and "Newcombe" in data["rules"]["paired"]
-    assert data["plan"]["items"] == 3 and data["plan"]["detectable_loss"] is None
+    assert data["rules"]["interval"].startswith("95% Wilson score interval") and "betting" in data["rules"]["paired"]
+    assert data["plan"]["items"] == 3 and data["plan"]["fewest_items"] == 72 and not data["plan"]["adaptive"]
+    assert point["items_used"] == 3 and point["stopped"] is None and data["item_cap"] is None
     printed = capsys.readouterr().out
-    assert f"The full cache is right on {right} of 3 items" in printed and "With 3 items" in printed
+    assert f"The full cache is right on {right} of 3 items" in printed and "3 items, one look" in printed
 
 
 def test_json_carries_each_point_s_layout_bytes_for_the_block_size_given(tiny_model, monkeypatch, tmp_path):
@@ -130,3 +137,29 @@ def test_layout_counts_the_table_and_the_verdicts_in_a_serving_layout_s_bytes(ti
     assert "paged_shared_compression" in printed and f"{paged:.4f}"[:5] in printed
     assert f", {paged:.1f}x smaller than full (paged, shared blocks), is inconclusive: 3 items cannot prove" in printed
     assert "Compressions count what paged, shared blocks would hold" in printed, "the cliff counts it too"
+
+
+def test_an_adaptive_sweep_stops_decided_points_and_continues_from_the_store(real_model, tmp_path, monkeypatch):
+    """Round 1 (16 items) proves a 1/16 window beyond the margin: it stops, and with nothing open the run ends. A
+    point identical to full stays open to the cap; asked again with a larger cap, the run replays round 1 from the
+    store and goes on."""
+    monkeypatch.setattr(options, "load", lambda args: real_model)
+    base = ["sweep", "--task", "multikey", "--task-length", "160", "--seed", "5", "--adaptive", "--quiet"]
+    out = tmp_path / "window.json"
+    assert main([*base, "--method", "streaming_llm", "--budgets", "0.0625", "--max-items", "64", "--json",
+                 str(out)]) == 0
+    data = json.loads(out.read_text())
+    full, window = data["points"]
+    assert (window["stopped"], window["stopped_at_look"], window["items_used"]) == ("beyond", 1, 16)
+    assert window["paired"]["verdict"] == "beyond margin" and window["paired"]["bound"] < -0.05
+    assert data["rounds"]["ended"] == "decided" and full["items_used"] == 16 and data["item_cap"] == 64
+    assert [o["versus_full"] for o in window["outcomes"]].count("lost") == window["paired"]["lost"]
+    assert data["margin_fixed"] == 5.0 and not data["exploratory"]
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    same = ["--method", "kivi:residual=0", "--budgets", "0.5"]  # 8 bits: as good as full on these items
+    assert main([*base, *same, "--max-items", "16", "--json", str(first)]) == 0
+    assert main([*base, *same, "--max-items", "32", "--json", str(second)]) == 0
+    first, second = json.loads(first.read_text()), json.loads(second.read_text())
+    assert first["points"][1]["stopped"] == "cap" and first["rounds"]["ended"] == "cap"
+    assert (second["rounds"]["rounds"], second["rounds"]["reused"], second["rounds"]["items"]) == (2, 1, 32)
+    assert second["points"][0]["outcomes"][:16] == first["points"][0]["outcomes"], "the same items, the same answers"

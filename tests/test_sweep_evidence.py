@@ -6,11 +6,11 @@ import pytest
 from kvviz.engine.prompts import PromptLine, parse_prompt_lines, read_prompt_set
 from kvviz.engine.session import PromptError
 from kvviz.studies.intervals import bootstrap_mean, percentile, wilson
-from kvviz.studies.sweep import Family, SweepPoint, SweepReport, check_sweep
-from kvviz.studies.sweep_measure import Outcome
-from kvviz.studies.tail_items import item_from_id, spread_items
+from kvviz.studies.sweep import SweepReport, check_sweep
+from kvviz.studies.tail_items import item_from_id, stream_items
 from kvviz.studies.verdicts import judged_report
 from kvviz.studies.workloads import TaskWorkload, answer_found
+from tests.test_paired import report_of, shuffled
 
 
 def test_wilson_intervals_match_worked_examples():
@@ -34,46 +34,6 @@ def test_the_bootstrap_interval_matches_its_enumerated_distribution():
     assert bootstrap_mean([0.5]) is None, "one prompt has no spread to resample"
     assert bootstrap_mean([0.1, 0.9], groups=["a", "a"]) is None, "one group has no spread either"
     assert percentile([1.0, 2.0, 3.0, 4.0, 5.0], 0.95) == pytest.approx(4.8) and percentile([], 0.5) is None
-
-
-def _task_report(per_spec: dict[str, tuple[float, list[bool]]]) -> SweepReport:
-    """A measured task sweep of one family from outcomes alone: SPEC -> (compression, right per item)."""
-    items = len(next(iter(per_spec.values()))[1])
-    points = []
-    for spec, (compression, right) in per_spec.items():
-        point = SweepPoint(spec, "full" if spec == "full" else "f", "fixed" if spec == "full" else "eviction",
-                           None if spec == "full" else 1 / compression, kv_bytes=round(1000 / compression),
-                           kv_bytes_full=1000)
-        point.outcomes = [Outcome(f"i{k}", r) for k, r in enumerate(right)]
-        point.accuracy, point.accuracy_ci, point.items_scored = sum(right) / items, wilson(sum(right), items), items
-        points.append(point)
-    return SweepReport("m", f"{items} items", "task", 100, [0.25], [Family("f", "f", ("budget",), "eviction")],
-                       points, ["accuracy"], 0.0, items=[{"id": f"i{k}"} for k in range(items)])
-
-
-def test_the_recommendation_is_the_most_compressed_point_proven_after_holm():
-    full = [True] * 150 + [False] * 50
-    report = judged_report(_task_report({"full": (1.0, full), "f:2": (2.0, full), "f:4": (4.0, [False] + full[1:]),
-                                         "f:8": (8.0, [False] * 30 + full[30:])}), 5, 0.9)
-    summary = " ".join(report.summary)
-    assert "the full cache is right on 150 of 200 (75% [69, 80])" in summary
-    assert "Deploy f:4: 4.0x smaller than full and proven within 5 points" in summary
-    assert "1 is worse than full" in summary and "f:8" in summary
-    assert report.cliffs["f"].spec == "f:4" and report.plan.items == 200
-    verdicts = {p.spec: p.paired.verdict for p in report.points[1:]}
-    assert verdicts == {"f:2": "within_margin", "f:4": "within_margin", "f:8": "worse"}
-    assert all(p.paired.margin_p_adjusted >= p.paired.margin_p for p in report.points[1:])
-    wider = judged_report(report, 0.5, 0.9)  # the same outcomes read at a half-point margin: nothing proven
-    assert any("No configuration is proven within 0.5 points" in line for line in wider.summary)
-    assert wider.points[1].paired.verdict != "within_margin" and report.points[1].paired.verdict == "within_margin"
-
-
-def test_a_sweep_without_enough_items_says_how_many_proving_the_margin_takes():
-    full = [True] * 24 + [False] * 8
-    report = judged_report(_task_report({"full": (1.0, full), "f:2": (2.0, full)}), 5, 0.9)
-    (line,) = [s for s in report.summary if s.startswith("No configuration")]
-    assert f"takes at least {report.plan.items_for_margin} items" in line and "could hide a loss of up to" in line
-    assert report.to_json()["plan"]["items"] == 32 and report.to_json()["points"][0]["paired"] is None
 
 
 def test_a_prompt_set_file_names_the_line_at_fault():
@@ -100,12 +60,15 @@ def test_a_prompt_set_file_names_the_line_at_fault():
 
 def test_items_come_back_the_same_from_a_seed_and_reopen_from_their_id(real_model):
     tokenizer = real_model.tokenizer
-    first = spread_items(tokenizer, "multikey", 160, 4, seed=3)
-    assert [i.ids for i in first] == [i.ids for i in spread_items(tokenizer, "multikey", 160, 4, seed=3)]
-    assert [i.depth for i in first] == [0.125, 0.375, 0.625, 0.875]
+    first = stream_items(tokenizer, "multikey", 160, range(4), seed=3)
+    assert [i.ids for i in first] == [i.ids for i in stream_items(tokenizer, "multikey", 160, range(4), seed=3)]
+    assert [i.ids for i in stream_items(tokenizer, "multikey", 160, [2, 3], seed=3)] == [i.ids for i in first[2:]], \
+        "item i is the same whatever else is asked for: a sweep can add items later"
+    assert len({i.depth for i in first}) == 4 and all(0 < i.depth < 1 for i in first), "each its own random depth"
     assert len({tuple(i.ids) for i in first}) == 4, "every item its own key and filler"
-    assert [i.ids for i in spread_items(tokenizer, "multikey", 160, 4, seed=4)] != [i.ids for i in first]
-    assert [i.hops for i in spread_items(tokenizer, "vartrack", 160, 3)] == [1, 2, 1]
+    assert [i.ids for i in stream_items(tokenizer, "multikey", 160, range(4), seed=4)] != [i.ids for i in first]
+    hops = [i.hops for i in stream_items(tokenizer, "vartrack", 160, range(12))]
+    assert set(hops) == {1, 2}
     again = item_from_id(tokenizer, first[2].item_id, seed=3)
     assert again.ids == first[2].ids and again.expected == first[2].expected
     with pytest.raises(PromptError, match="'riddle:1:2' names no task item"):
@@ -113,8 +76,8 @@ def test_items_come_back_the_same_from_a_seed_and_reopen_from_their_id(real_mode
 
 
 def test_the_server_limit_on_items_is_named():
-    with pytest.raises(ValueError, match=r"200 items is more than this server allows \(128\); ask for at most 128"):
-        check_sweep(["snapkv"], [0.25], TaskWorkload("needle", 256, 200), max_items=128)
+    with pytest.raises(ValueError, match=r"600 items is more than this server allows \(512\); ask for at most 512"):
+        check_sweep(["snapkv"], [0.25], TaskWorkload("needle", 256, 600), max_items=512)
     check_sweep(["snapkv"], [0.25], TaskWorkload("needle", 256, 200))  # the CLI has no server limit
     assert answer_found("Ines", "The winner is  INES.") and not answer_found("Paris", "Lyon")
 
@@ -126,11 +89,15 @@ def _laid_out(report: SweepReport, paged: dict[str, int]) -> SweepReport:
     return report
 
 
+def _task_report(per_spec: dict[str, list[bool]]) -> SweepReport:
+    return report_of(per_spec)
+
+
 def test_the_frontier_is_found_again_on_the_memory_a_serving_layout_would_hold():
     """Counted, f:4 holds half of f:2's bytes and loses 15 of 40 items: both are on the frontier. A paged layout that
     frees nothing of f:4's blocks holds more for it than for f:2, which is significantly better: f:4 falls off."""
-    right = [True] * 30 + [False] * 10
-    outcomes = {"full": (1.0, right), "f:2": (2.0, right), "f:4": (4.0, [False] * 15 + right[15:])}
+    right, _ = shuffled(40, 30, 0)
+    outcomes = {"full": right, "f:2": right, "f:4": [False] * 15 + right[15:]}
     measured = _laid_out(_task_report(outcomes), {"full": 1000, "f:2": 600, "f:4": 990})
     counted, paged = judged_report(measured, 5, 0.9), judged_report(measured, 5, 0.9, "paged_shared")
     assert (counted.layout, paged.layout) == ("counted", "paged_shared")
@@ -143,8 +110,8 @@ def test_the_frontier_is_found_again_on_the_memory_a_serving_layout_would_hold()
 def test_the_recommendation_and_the_cliff_count_the_chosen_layout_s_bytes():
     """f:2 and f:4 are both proven within 5 points on 200 items. Counted, f:4 is the more compressed; paged, f:4's
     blocks barely free anything (1.01x) while f:2's free 40% (1.67x): deploy f:2, and the cliff is reached there."""
-    full = [True] * 150 + [False] * 50
-    measured = _laid_out(_task_report({"full": (1.0, full), "f:2": (2.0, full), "f:4": (4.0, [False] + full[1:])}),
+    full, _ = shuffled(200, 150, 0)
+    measured = _laid_out(_task_report({"full": full, "f:2": full, "f:4": [False] + full[1:]}),
                          {"full": 1000, "f:2": 600, "f:4": 990})
     counted = " ".join(judged_report(measured, 5, 0.9).summary)
     paged = " ".join(judged_report(measured, 5, 0.9, "paged_shared").summary)
@@ -154,4 +121,4 @@ def test_the_recommendation_and_the_cliff_count_the_chosen_layout_s_bytes():
     table = judged_report(measured, 5, 0.9, "paged_shared").markdown()
     assert "| paged, shared blocks: bytes | paged, shared blocks: compression |" in table and "| 600 | 1.67x |" in table
     with pytest.raises(ValueError, match="no ledger"):
-        judged_report(_task_report({"full": (1.0, full), "f:2": (2.0, full)}), 5, 0.9, "paged_shared")
+        judged_report(_task_report({"full": full, "f:2": full}), 5, 0.9, "paged_shared")

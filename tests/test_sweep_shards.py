@@ -32,14 +32,15 @@ def test_rows_joined_from_shards_fill_the_points_one_pass_fills(real_model):
                               max_new_tokens=3)
     specs = ["snapkv", "kivi:residual=0"]
 
-    def from_shards(specs_given, progress):
-        parts = [measure_rows(real_model, workload, specs_given, shard) for shard in cut_shards(5, 2)]
+    def from_shards(specs_given, indices, progress):
+        parts = [measure_rows(real_model, workload, specs_given, [indices[i] for i in shard])
+                 for shard in cut_shards(len(indices), 2)]
         return Rows.join(parts), ShardRun("test", 1, 3, 0, [1.0, 1.0, 1.0])
 
     whole = run_sweep(real_model, workload, specs, [0.25, 0.5]).to_json()
-    sharded = run_sweep(real_model, workload, specs, [0.25, 0.5], rows=from_shards).to_json()
+    sharded = run_sweep(real_model, workload, specs, [0.25, 0.5], source=from_shards).to_json()
     assert (sharded["workers"], sharded["shards"], sharded["shards_reused"]) == (1, 3, 0)
-    timing = ("seconds", "ray_address", "workers", "shards", "shards_reused", "shard_seconds")
+    timing = ("seconds", "ray_address", "workers", "shards", "shards_reused", "shard_seconds", "rounds")
     assert {k: v for k, v in sharded.items() if k not in timing} == {k: v for k, v in whole.items() if k != "seconds"}
 
 

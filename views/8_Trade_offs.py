@@ -12,8 +12,9 @@ from kvviz.runs import SweepRequest
 from kvviz.studies.frontier import MEASURES
 from kvviz.studies.paired import DEFAULT_MARGIN
 from kvviz.studies.perplexity import play_names
-from kvviz.studies.power import plan
+from kvviz.studies.power import DEFAULT_FULL_ACCURACY, plan
 from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, check_sweep, read_family
+from kvviz.studies.sweep_rounds import DEFAULT_MAX_ITEMS, DEFAULT_SECONDS, Adaptive
 from kvviz.studies.tail_items import NEW_TOKENS
 from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, judged_report
 from kvviz.studies.workloads import DEFAULT_ITEMS, SWEEP_TASKS, PromptWorkload, TaskWorkload, TextWorkload
@@ -25,21 +26,24 @@ from kvviz_app.tradeoffs import compare_link, families_from_link, item_link, swe
 from kvviz_app.url import Read, choice_setting, choices_setting, flag_setting, linked, number_setting, share_settings
 
 DEFAULT_PROMPT = STORY_QUESTION  # calibrated: the full cache answers Ines (kvviz/lessons.py)
-# The page's first run: three axis ideas (a position window, a query-aware selection, a quantizer) on 32 multikey
-# items of 256 tokens, within a minute on a 2-core CPU; h2o and the stacks are one click away in the list.
+# The page's first run: three axis ideas (a position window, a query-aware selection, a quantizer) on multikey items
+# of 256 tokens, adaptive: rounds until every point is decided, within a class's few minutes on a 2-core CPU; h2o and
+# the stacks are one click away in the list.
 PAGE_FAMILIES = ("streaming_llm", "snapkv", "kivi:residual=0")
 PAGE_TASK, PAGE_LENGTH = "multikey", 256
 BUDGET_CHOICES = (0.03125, 0.0625, 0.125, 0.25, 0.5, 0.75)
 WORKLOADS = {"task": "A task: many items", "prompt": "Your prompts", "text": "A play"}
+DESIGNS = {"adaptive": "Adaptive: rounds until decided", "fixed": "Fixed: every item once"}
 LENGTHS = [256, 512, 1024]
 
 page_header("Trade-offs", "Trade-offs: quality against memory",
             "Which configuration should you deploy at your memory budget, and what does it lose? Each family is "
             "one method (or stack) with one parameter left free, swept across the budgets. Every point runs on the "
             "same items as the full cache and is judged against it item by item: proven within the loss you accept "
-            "(your margin), worse, or inconclusive. The recommendation is a proof, never a best guess.",
+            "(your margin), beyond it, worse, or inconclusive. An adaptive run gives the next items only to the "
+            "points still undecided. The recommendation is a proof, never a best guess.",
             link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "items", "seed", "play", "tokens",
-                           "margin", "tail", "block", "x"))
+                           "margin", "tail", "block", "x", "design", "cap", "time"))
 
 loaded = require_model()
 limits = settings()
@@ -78,10 +82,6 @@ with st.sidebar:
     max_new = number_setting("Tokens per prompt", "n", min(cap, 24), 1, cap, key="sweep_max_new",
                              disabled=workload_kind != "prompt")
     chat = flag_setting("Chat template", "chat", True, key="sweep_chat", disabled=workload_kind != "prompt")
-    items = number_setting("Items", "items", min(DEFAULT_ITEMS, limits.max_items), 1, limits.max_items,
-                           key="sweep_items", disabled=workload_kind != "task",
-                           help=f"Items at depths spread over the context. At 80% accuracy, 32 items give a 95% "
-                                f"Wilson interval from 61% to 89%. This server allows up to {limits.max_items}.")
     seed = number_setting("Seed", "seed", 0, 0, 1_000_000, key="sweep_seed", disabled=workload_kind != "task",
                           help="Which items: the same seed gives the same items for every configuration and run.")
     block_size = choice_setting("Block size (token slots)", "block", BLOCK_SIZES, DEFAULT_BLOCK_SIZE,
@@ -91,10 +91,27 @@ with st.sidebar:
     st.subheader("Verdicts")
     margin = float(number_setting("Margin: the loss you accept (points)", "margin", DEFAULT_MARGIN, 0.5, 50.0,
                                   key="sweep_margin", step=0.5,
-                                  help=f"A configuration is proven within the margin when the 95% interval of its "
-                                       f"difference from full, item by item, stays above minus this many points "
-                                       f"(default {DEFAULT_MARGIN:g}). Changing it re-reads a finished sweep "
-                                       "without running it again."))
+                                  help=f"Fixed before the run (default {DEFAULT_MARGIN:g}): a configuration is proven "
+                                       "within the margin when its loss against full, item by item, is shown smaller "
+                                       "than this, and an adaptive run stops each point on it. Changed after a run, "
+                                       "it re-reads the run as exploratory."))
+    design = choice_setting("Design", "design", list(DESIGNS), "adaptive", key="sweep_design", widget=st.radio,
+                            format_func=DESIGNS.get, disabled=workload_kind == "text",
+                            help="Adaptive: rounds of items, each given to full and the points still undecided, "
+                                 "until every point is decided or a limit below is reached. Fixed: every item once, "
+                                 "one look.")
+    adaptive_off = workload_kind == "text" or design != "adaptive"
+    cap_default = min(DEFAULT_MAX_ITEMS, limits.max_items)
+    max_items = number_setting("Max items", "cap", cap_default, 1, limits.max_items, key="sweep_cap",
+                               disabled=adaptive_off,
+                               help=f"The adaptive run's cap on items (this server allows {limits.max_items}).")
+    seconds = number_setting("Time budget (seconds)", "time", int(DEFAULT_SECONDS), 1, 3600, key="sweep_time",
+                             disabled=adaptive_off,
+                             help="No round starts that would likely end after this (the first always runs).")
+    items = number_setting("Items (fixed design)", "items", min(DEFAULT_ITEMS, limits.max_items), 1,
+                           limits.max_items, key="sweep_items", disabled=workload_kind != "task" or not adaptive_off,
+                           help=f"Task items, each at its own random depth from the seed. This server allows up to "
+                                f"{limits.max_items}.")
     threshold = float(number_setting("Tail: agreement below", "tail", DEFAULT_TAIL_THRESHOLD, 0.05, 1.0,
                                      key="sweep_tail", step=0.05, disabled=workload_kind != "prompt",
                                      help="A prompt set's tail: the share of prompts whose agreement with full "
@@ -110,7 +127,7 @@ if workload_kind == "task":
     with right:
         task_length = choice_setting("Prompt length (tokens)", "len", LENGTHS, PAGE_LENGTH, key="sweep_task_length",
                                      widget=st.select_slider, cast=int)
-    workload = TaskWorkload(task, int(task_length), int(items), int(seed))
+    workload = TaskWorkload(task, int(task_length), int(items if adaptive_off else max_items), int(seed))
 elif workload_kind == "prompt":
     lines = prompt_set_input("sweep", DEFAULT_PROMPT)
     if lines is not None:
@@ -151,24 +168,32 @@ extra = linked("sweep_extra", Read(typed), lambda value: st.text_input(
     placeholder="h2o  snapkv+kivi:bits=4  lowrank+snapkv:budget=0.25"))
 specs = list(dict.fromkeys([*families, *extra.split()]))
 share_settings(w=workload_kind, m=specs, b=sorted(budgets), n=int(max_new), chat=chat, margin=margin, tail=threshold,
+               design=design, cap=int(max_items), time=int(seconds),
                **({"task": task, "len": task_length, "items": int(items), "seed": int(seed)}
                   if workload_kind == "task" else {}),
                **({"play": play, "tokens": play_tokens} if workload_kind == "text" else {}), block=block_size)
 
-problem = None
+problem, families_run = None, []
 try:
-    check_sweep(specs, sorted(budgets), workload, limits.max_items)
+    families_run = [f for f in check_sweep(specs, sorted(budgets), workload, limits.max_items) if f.member is not None]
 except ValueError as error:
     problem = str(error)
     st.error(problem)
+adaptive = None if adaptive_off else Adaptive(int(max_items), float(seconds))
 asked = (None if problem is not None or workload is None
          else SweepRequest(workload, tuple(specs), tuple(sorted(budgets)), sweep_cluster(limits.ray_address),
-                           block_size=int(block_size)))
+                           block_size=int(block_size), margin=margin, adaptive=adaptive))
 planned_items = (workload.items if isinstance(workload, TaskWorkload) else
                  len(workload.prompts) if isinstance(workload, PromptWorkload) else None)
+if planned_items is not None and adaptive is not None:
+    planned_items = min(planned_items, adaptive.max_items)
 if planned_items is not None and problem is None:
-    st.info(f"**Before you run.** {plan(planned_items, margin).sentence()} Assumed: the configuration loses items "
-            "and gains none; full answers every item right.")
+    with st.expander("**What this run can decide**, before you run it: the power of its design, by simulation"):
+        assumed = st.slider("Full's accuracy, assumed", 0.5, 1.0, DEFAULT_FULL_ACCURACY, 0.05, key="sweep_assumed",
+                            help="The plan simulates this design many times with full right this often.")
+        planned = plan(planned_items, margin, max(1, len(families_run)), adaptive is not None, assumed)
+        st.markdown(planned.sentence())
+        st.caption(" ".join(f"{text[0].upper()}{text[1:]}." for text in planned.assumptions.values()))
 if run_button("Run the sweep", "sweep_request", asked, disabled=asked is None):
     st.session_state["sweep_prompt"] = (prompt_text, chat)
 
@@ -176,7 +201,8 @@ request, report = run_pressed(
     loaded, "sweep_request", "Choose the workload, the families and the budgets, then press **Run the sweep**.",
     "Sizing every family…", current=asked)
 count = len(report.points)
-st.success(f"{count} configuration{'s' if count != 1 else ''} on {report.workload} in {report.seconds:.1f} s.")
+rounds = f" {report.rounds.describe().capitalize()}." if report.rounds is not None and report.item_cap else ""
+st.success(f"{count} configuration{'s' if count != 1 else ''} on {report.workload} in {report.seconds:.1f} s.{rounds}")
 if report.shard_run is not None:
     st.caption(f"Measured on the Ray cluster: {report.shard_run.describe()}.")
 summary = st.container()  # written below, once the memory the compressions count is chosen
@@ -198,6 +224,10 @@ if any(p.layout_bytes for p in report.points):  # a play's streaming perplexity 
                   "do not depend on memory."))
 if (report.margin, report.tail_threshold, report.layout) != (margin, threshold, layout):
     report = judged_report(report, margin, threshold, layout)
+if report.margin != report.margin_fixed:
+    st.warning(f"**Exploratory.** This run's margin was fixed at {report.margin_fixed:g} points; read at "
+               f"{report.margin:g} after seeing its results, the verdicts below do not hold their 2.5%. Press "
+               "**Run the sweep** to fix the new margin before the items.")
 with summary:
     for line in report.summary:
         st.markdown(f"- {line}")
@@ -208,6 +238,11 @@ with summary:
     for name, rule in report.rules.items():
         st.caption(f"{name.replace('_', ' ').capitalize()}: {rule}.")
 st.plotly_chart(plots.tradeoff_figure(report, measure), width="stretch")
+if report.item_cap:
+    st.plotly_chart(plots.allocation_figure(report), width="stretch")
+    st.caption("An adaptive run gives each round's items to full and the points still undecided; a point stops at "
+               "the look that decides it (within, beyond the margin, or worse than full), so its share goes to the "
+               "others. Grey: still undecided when the run ended.")
 
 prompt, prompt_chat = st.session_state.get("sweep_prompt", (None, True))
 on_items = isinstance(request.workload, TaskWorkload)
@@ -223,19 +258,21 @@ judged = [p.paired_by_measure.get(measure) for p in report.points]
 table["verdict"] = [None if j is None else j.verdict for j in judged]
 table["versus_full"] = [None if j is None else j.interval_text() for j in judged]
 table["lost"] = [None if j is None else j.lost for j in judged]
-table["gained"] = [None if j is None or j.p_value is None else j.gained for j in judged]
-table["p_adjusted"] = [None if j is None else j.p_adjusted for j in judged]
+table["gained"] = [None if j is None else j.gained for j in judged]
+table["p_adjusted"] = [None if j is None else j.margin_p_adjusted for j in judged]
 in_layout = (f"{report.layout}_bytes", f"{report.layout}_compression")  # none for counted bytes
 shown_columns = [c for c in ("spec", "family", "budget", "kv_bytes", "compression", *in_layout, *report.frontiers,
-                             "accuracy_ci", "agreement_ci", "tail_ci", "items_scored", "verdict", "versus_full",
-                             "lost", "gained", "p_adjusted", "first_divergence", "frontier", "open", "error")
+                             "accuracy_ci", "agreement_ci", "tail_ci", "items_scored", "stopped", "verdict",
+                             "versus_full", "lost", "gained", "p_adjusted", "first_divergence", "frontier", "open",
+                             "error")
                  if c in table and (table[c].notna().any() if c != "frontier" else True)]
 if on_items:
     st.subheader("Every item, every budget")
     st.caption("Each family's outcome per item against full's (full's own column first): green right where full "
                "is right; lost items coloured by cause (red: a planted span it needed was evicted, hover for which "
                "and in how many layers; orange: nothing planted evicted under a quantizer; purple: everything "
-               "planted kept); blue gained (right where full is wrong); grey wrong where full is wrong too.")
+               "planted kept); blue gained (right where full is wrong); grey wrong where full is wrong too; blank "
+               "where an adaptive run had stopped the point.")
     families_run = [f.spec for f in report.families if any(p.family == f.spec and p.outcomes for p in report.points)]
     tabs = st.tabs(families_run) if families_run else []
     for tab, family in zip(tabs, families_run, strict=True):
@@ -271,9 +308,11 @@ st.dataframe(table[shown_columns], hide_index=True, width="stretch", column_conf
     "agreement_ci": st.column_config.TextColumn("agreement 95%"),
     "tail_ci": st.column_config.TextColumn("tail 95%"),
     "verdict": st.column_config.TextColumn("verdict", help=f"against full on the same items at a {margin:g}-point "
-                                                           "margin: within_margin, worse or inconclusive"),
-    "versus_full": st.column_config.TextColumn("difference from full [95%]"),
-    "p_adjusted": st.column_config.NumberColumn("McNemar p (Holm)", format="%.3g"),
+                                                           "margin: within margin, beyond margin, worse (within "
+                                                           "margin unproven) or inconclusive"),
+    "stopped": st.column_config.TextColumn("stopped", help="why an adaptive run stopped giving it items"),
+    "versus_full": st.column_config.TextColumn("difference from full [95%, anytime-valid]"),
+    "p_adjusted": st.column_config.NumberColumn("within-margin p (adjusted)", format="%.3g"),
     "open": st.column_config.LinkColumn("in Compare", display_text="open"),
     **{key: st.column_config.NumberColumn(MEASURES[key].label, format="%.3f") for key in report.frontiers},
 })

@@ -81,7 +81,7 @@ MAX_PROMPT_TOKENS = Variable("KVVIZ_MAX_PROMPT_TOKENS", "4096", "longer prompts 
 MAX_NEW_TOKENS = Variable("KVVIZ_MAX_NEW_TOKENS", "256", "cap on generated tokens per method")
 DEVICE = Variable("KVVIZ_DEVICE", "auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps",
                   read_by=(APP, CLI, LOADING))
-MAX_ITEMS = Variable("KVVIZ_MAX_ITEMS", "128", "most task items, or prompts of a prompt set, one Trade-offs sweep "
+MAX_ITEMS = Variable("KVVIZ_MAX_ITEMS", "512", "most task items, or prompts of a prompt set, one Trade-offs sweep "
                      "scores (a larger request is refused, naming this limit)")
 MAX_UPLOAD_MB = Variable("KVVIZ_MAX_UPLOAD_MB", "2", "largest prompt file accepted (the container passes it to "
                          "Streamlit's upload limit too)", read_by=(APP, ENTRY_POINT))

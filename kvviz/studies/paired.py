@@ -1,45 +1,33 @@
-"""Judging a configuration against full on the same items: the paired difference, its interval, a test, a margin.
+"""One configuration against full on the same items: the units, the paired difference, and what it proves.
 
 Every configuration of a sweep runs on the same items as the full cache, so each item gives a pair of outcomes.
-Comparing two intervals (one per configuration) throws that pairing away: their overlap is not a test, and a
-configuration that loses 6 of 32 items and gains none can still overlap full. The pairs say more:
+Comparing two intervals (one per configuration) throws that pairing away: their overlap is not a test. The pairs say
+more. Right/wrong outcomes fall into *both right*, *lost* (full right, this wrong), *gained* (the reverse) and *both
+wrong*; a per-item value (agreement with full) gives a difference per item. Items sharing a document are not
+independent, so the *unit* of every test is the group: its difference is the mean over its items. With no groups,
+each item is its own unit.
 
-- **binary outcomes** (right or wrong per item): the 2x2 table of both right, *lost* (full right, this wrong),
-  *gained* (the reverse) and both wrong. The difference is ``(gained - lost) / n``; its 95% interval is Newcombe's
-  hybrid score interval for paired proportions (method 10 of Newcombe 1998: the Wilson intervals of both rates,
-  without continuity correction, combined through the table's phi coefficient, with Newcombe's adjustment of phi
-  towards zero by n/2 when it is positive, and zero when a margin is empty). The test of "no difference" is the exact
-  McNemar test: under it the lost items among the discordant ones are Binomial(lost + gained, 1/2).
-- **a mean over items** (agreement with full per prompt): the mean paired difference with a bootstrap percentile
-  interval over the items (or over groups of items sharing one document, when groups are given). A bootstrap sees
-  no spread in a few equal differences, so it alone would call three lossless prompts proof of a 5-point margin. Its
-  margin test is therefore floored by what k independent units (items, or groups) can show at all: with per-unit
-  losses bounded by 1 and a mean loss of m, every unit comes out lossless with probability up to (1 - m)^k (a loss of
-  1 on a share m of units), so no test that favours smaller observed losses proves the margin on fewer units than
-  k = ln(0.025) / ln(1 - m): 72 at 5 points, the same order as the 73 items the plan asks of right/wrong outcomes.
-
-A *margin* is the loss the user accepts, in points. A configuration is ``within_margin`` when its interval's lower
-bound lies above minus the margin (non-inferiority), ``worse`` when its upper bound lies below zero, and
-``inconclusive`` otherwise: it could hide a loss as large as minus the lower bound. For right/wrong outcomes ``worse``
-also needs the exact McNemar test to reject. Testing many points multiplies
-the chances of a false "within margin"; each point's one-sided p-value of the margin test (``margin_p``) is
-therefore adjusted by Holm's step-down method across the sweep before a recommendation names a point.
+What a difference proves is decided by the anytime-valid tests of :mod:`kvviz.studies.sequential`, across every
+point of the sweep at once (:mod:`kvviz.studies.verdicts`); :class:`Paired` holds one point's result in words and
+numbers. Newcombe's interval for paired proportions (method 10 of Newcombe 1998), the fixed-n rule of earlier
+rounds, is kept for one purpose: :mod:`kvviz.studies.simulation` runs it through the same looks to show why it was
+replaced (it is approximate, and looked at after every round it passes a loss at the margin far more often than 2.5%).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvviz.studies.intervals import Z95, Interval, percentile_interval, resample_means, wilson
+from kvviz.studies.intervals import Z95, Interval
+from kvviz.studies.sequential import BEYOND, OPEN, WITHIN, WORDS, WORSE
 
-ALPHA = 0.05  # two-sided: the 95% interval; the margin test is its one-sided half, 0.025
-WITHIN, WORSE, INCONCLUSIVE = "within_margin", "worse", "inconclusive"
-VERDICTS = (WITHIN, WORSE, INCONCLUSIVE)
 DEFAULT_MARGIN = 5.0  # points of accuracy (or agreement) a deployment may lose: the usual non-inferiority margin
+VERDICT_WITHIN, VERDICT_BEYOND, VERDICT_WORSE, INCONCLUSIVE = WORDS[WITHIN], WORDS[BEYOND], WORDS[WORSE], WORDS[OPEN]
+VERDICTS = (VERDICT_WITHIN, VERDICT_BEYOND, VERDICT_WORSE, INCONCLUSIVE)
+BELOW_FULL = (VERDICT_BEYOND, VERDICT_WORSE)  # the verdicts that prove a loss
 
 
 @dataclass(frozen=True)
@@ -62,110 +50,75 @@ class Table:
                    sum(o and not f for f, o in pairs), sum(not f and not o for f, o in pairs))
 
 
-def newcombe_paired(table: Table, z: float = Z95) -> Interval | None:
-    """The interval of (this configuration's rate - full's rate) by Newcombe's method 10 (module docstring)."""
-    n = table.items
-    if n == 0:
-        return None
-    ours, theirs = table.both_right + table.gained, table.both_right + table.lost
-    p_ours, p_theirs = ours / n, theirs / n
-    low_ours, high_ours = wilson(ours, n, z)
-    low_theirs, high_theirs = wilson(theirs, n, z)
-    phi = _phi(table)
-    below = math.sqrt(max(0.0, (p_ours - low_ours) ** 2 - 2 * phi * (p_ours - low_ours) * (high_theirs - p_theirs)
-                          + (high_theirs - p_theirs) ** 2))
-    above = math.sqrt(max(0.0, (p_theirs - low_theirs) ** 2 - 2 * phi * (p_theirs - low_theirs) * (high_ours - p_ours)
-                          + (high_ours - p_ours) ** 2))
-    difference = p_ours - p_theirs
-    return max(-1.0, difference - below), min(1.0, difference + above)
+def _wilson_arrays(successes: np.ndarray, n: np.ndarray, z: float) -> tuple[np.ndarray, np.ndarray]:
+    rate = successes / n
+    denominator = 1 + z * z / n
+    centre = (rate + z * z / (2 * n)) / denominator
+    half = z * np.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / denominator
+    return np.maximum(0.0, centre - half), np.minimum(1.0, centre + half)
 
 
-def _phi(table: Table) -> float:
-    """The table's phi coefficient as Newcombe's method uses it: 0 when a margin is empty, a positive one shrunk by
-    n/2 (and never below 0), a negative one as it is."""
-    a, b, c, d, n = table.both_right, table.gained, table.lost, table.both_wrong, table.items
+def newcombe_lower(both_right, lost, gained, both_wrong, z: float = Z95) -> np.ndarray:
+    """The lower bound of Newcombe's method-10 interval of (this rate - full's rate), for arrays of table counts:
+    the two rates' Wilson intervals combined through the table's phi coefficient (0 when a margin is empty, a
+    positive one shrunk by n/2 and never below 0)."""
+    a, b, c, d = (np.asarray(x, dtype=float) for x in (both_right, gained, lost, both_wrong))
+    n = a + b + c + d
+    ours, theirs = a + b, a + c
+    low_ours, _ = _wilson_arrays(ours, n, z)
+    _, high_theirs = _wilson_arrays(theirs, n, z)
     product = (a + b) * (c + d) * (a + c) * (b + d)
-    if product == 0:
-        return 0.0
     cross = a * d - b * c
-    if cross > n / 2:
-        return (cross - n / 2) / math.sqrt(product)
-    return cross / math.sqrt(product) if cross < 0 else 0.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        phi = np.where(product == 0, 0.0, np.where(cross > n / 2, (cross - n / 2) / np.sqrt(product),
+                                                   np.where(cross < 0, cross / np.sqrt(product), 0.0)))
+    p_ours, p_theirs = ours / n, theirs / n
+    below = np.sqrt(np.maximum(0.0, (p_ours - low_ours) ** 2 - 2 * phi * (p_ours - low_ours) * (high_theirs - p_theirs)
+                               + (high_theirs - p_theirs) ** 2))
+    return np.maximum(-1.0, p_ours - p_theirs - below)
 
 
-def mcnemar_exact(lost: int, gained: int) -> float:
-    """The two-sided exact McNemar p-value: twice the smaller binomial tail of the discordant items, at most 1."""
-    discordant = lost + gained
-    if discordant == 0:
-        return 1.0
-    tail = sum(math.comb(discordant, k) for k in range(min(lost, gained) + 1)) / 2 ** discordant
-    return min(1.0, 2 * tail)
-
-
-def holm(p_values: Sequence[float | None]) -> list[float | None]:
-    """Holm's step-down adjustment of ``p_values`` (None stays None and is not counted)."""
-    present = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
-    adjusted: list[float | None] = [None] * len(p_values)
-    running = 0.0
-    for rank, (p, index) in enumerate(present):
-        running = max(running, min(1.0, (len(present) - rank) * p))
-        adjusted[index] = running
-    return adjusted
-
-
-def verdict(interval: Interval | None, margin_points: float, p_value: float | None = None) -> str:
-    """``within_margin``, ``worse`` or ``inconclusive`` for an interval of the difference (module docstring). With
-    an exact test beside the interval (``p_value``), ``worse`` also needs the test to reject: the two can disagree at
-    the edge (5 lost of 8: the interval ends below zero, p = 0.0625), and the exact test is the conservative one."""
-    if interval is None:
-        return INCONCLUSIVE
-    if interval[0] > -margin_points / 100:
-        return WITHIN
-    rejected = p_value is None or p_value < ALPHA
-    return WORSE if interval[1] < 0 and rejected else INCONCLUSIVE
-
-
-def margin_p_binary(table: Table, margin_points: float) -> float:
-    """The one-sided p-value of "the loss is smaller than the margin": the level at which Newcombe's lower bound
-    meets minus the margin (1 when the observed difference is already beyond it)."""
-    margin = margin_points / 100
-    n = table.items
-    if n == 0 or (table.gained - table.lost) / n <= -margin:
-        return 1.0
-    low, high = 0.0, 40.0  # z: the lower bound falls as z grows
-    if newcombe_paired(table, high)[0] > -margin:
-        return _upper_tail(high)
-    for _ in range(60):
-        middle = (low + high) / 2
-        if newcombe_paired(table, middle)[0] > -margin:
-            low = middle
-        else:
-            high = middle
-    return _upper_tail(low)
-
-
-def _upper_tail(z: float) -> float:
-    return 0.5 * math.erfc(z / math.sqrt(2))
+def unit_differences(full: Sequence[float], other: Sequence[float], groups: Sequence[str] | None = None
+                     ) -> np.ndarray:
+    """Each unit's difference (other - full): per item, or per group (the mean over its items) in the order the
+    groups first appear."""
+    differences = np.asarray(other, dtype=float) - np.asarray(full, dtype=float)
+    if groups is None:
+        return differences
+    names = list(dict.fromkeys(groups))
+    index = {name: i for i, name in enumerate(names)}
+    member = np.asarray([index[g] for g in groups])
+    return np.bincount(member, weights=differences, minlength=len(names)) / np.bincount(member, minlength=len(names))
 
 
 @dataclass(frozen=True)
 class Paired:
-    """One configuration against full on the same items. ``lost``/``gained`` count items (binary outcomes; for a
-    mean, the items below and above full); ``difference`` and its interval are in rate units (0.05 = 5 points);
-    ``p_value`` the exact McNemar test (None for a mean); ``margin_p`` the one-sided test of the margin, adjusted
-    across the sweep in ``margin_p_adjusted`` (Holm), as ``p_value`` is in ``p_adjusted``."""
+    """One configuration against full on the same items (``items``; ``units`` independent ones: items, or groups).
+    ``lost``/``gained`` count items (for a per-item value, the items below and above full); ``difference`` and its
+    anytime-valid 95% interval are in rate units (0.05 = 5 points). The p-values are anytime-valid, one per claim
+    (``p_value``: below full; ``margin_p``: within the margin; ``beyond_p``: beyond it), and ``*_adjusted`` after the
+    closed procedure across every point of the sweep, whose decision is ``verdict``. ``bound`` is the confidence
+    bound the verdict rests on, at the level its claim passed (``bound_level``). ``exploratory``: read at a margin
+    other than the one fixed before the run."""
 
     items: int
+    units: int
     lost: int
     gained: int
     difference: float
     difference_ci: Interval | None
-    p_value: float | None
+    p_value: float
     margin_p: float
+    beyond_p: float
     verdict: str
+    margin: float
     p_adjusted: float | None = None
     margin_p_adjusted: float | None = None
-    units_needed: int | None = None  # set where the interval clears the margin but too few units stand behind it
+    beyond_p_adjusted: float | None = None
+    bound: float | None = None
+    bound_level: float | None = None
+    units_needed: int | None = None  # set when too few units stand behind an inconclusive verdict to prove anything
+    exploratory: bool = False
 
     @property
     def hidden_loss(self) -> float | None:
@@ -173,14 +126,19 @@ class Paired:
         return None if self.difference_ci is None or self.difference_ci[0] >= 0 else -100 * self.difference_ci[0]
 
     def describe(self) -> str:
-        """The verdict as a predicate: ``is worse than full``, ``is within the margin``, ``could hide a loss of up to
-        12 points``."""
-        if self.verdict == WORSE:
-            return "is worse than full"
-        if self.verdict == WITHIN:
-            return "is within the margin"
+        """The verdict as a predicate: ``is within the margin (it loses at most 3.1 points)``, ``could hide a loss
+        of up to 12 points``."""
+        bound = None if self.bound is None else abs(100 * self.bound)
+        if self.verdict == VERDICT_WITHIN:
+            return f"is within the margin (it loses at most {max(0.0, -100 * self.bound):.1f} points)"
+        if self.verdict == VERDICT_BEYOND:
+            return f"is beyond the margin (it loses at least {bound:.1f} points)"
+        if self.verdict == VERDICT_WORSE:
+            return (f"is worse than full (by at least {bound:.1f} points), within the {self.margin:g}-point margin "
+                    "unproven")
         if self.units_needed:
-            return (f"is inconclusive: {self.items} items cannot prove the margin, however alike (at least "
+            unit = "units" if self.units != self.items else "items"
+            return (f"is inconclusive: {self.units} {unit} cannot prove the margin, however alike (at least "
                     f"{self.units_needed} can)")
         return f"could hide a loss of up to {self.hidden_loss:.0f} points" if self.hidden_loss else "is inconclusive"
 
@@ -194,56 +152,7 @@ class Paired:
         data = asdict(self)
         data["difference"] = round(self.difference, 4)
         data["difference_ci"] = None if self.difference_ci is None else [round(v, 4) for v in self.difference_ci]
-        for key in ("p_value", "p_adjusted", "margin_p", "margin_p_adjusted"):
+        for key in ("p_value", "p_adjusted", "margin_p", "margin_p_adjusted", "beyond_p", "beyond_p_adjusted",
+                    "bound", "bound_level"):
             data[key] = None if data[key] is None else round(data[key], 6)
         return data
-
-
-def paired_binary(full: Sequence[bool], other: Sequence[bool], margin_points: float,
-                  groups: Sequence[str] | None = None) -> Paired:
-    """A configuration's right/wrong per item against full's. With ``groups`` the interval and the margin test
-    resample whole groups (items sharing a document are not independent); McNemar's p still counts items."""
-    table = Table.of(full, other)
-    difference = (table.gained - table.lost) / table.items
-    if groups is None:
-        interval, margin_p = newcombe_paired(table), margin_p_binary(table, margin_points)
-    else:
-        means = resample_means([float(o) - float(f) for f, o in zip(full, other, strict=True)], groups)
-        return _floored(Paired(table.items, table.lost, table.gained, difference, percentile_interval(means),
-                               mcnemar_exact(table.lost, table.gained), _bootstrap_margin_p(means, margin_points),
-                               ""), len(set(groups)), margin_points)
-    p_value = mcnemar_exact(table.lost, table.gained)
-    return Paired(table.items, table.lost, table.gained, difference, interval, p_value, margin_p,
-                  verdict(interval, margin_points, p_value))
-
-
-def paired_mean(differences: Sequence[float], margin_points: float, groups: Sequence[str] | None = None) -> Paired:
-    """A configuration's per-item difference from full (e.g. agreement minus full's 1.0): the mean, its bootstrap
-    interval and the bootstrap margin test (the share of resampled means at or below minus the margin)."""
-    means = resample_means(differences, groups)
-    units = len(differences) if groups is None else len(set(groups))
-    return _floored(Paired(len(differences), sum(d < 0 for d in differences), sum(d > 0 for d in differences),
-                           float(np.mean(differences)), percentile_interval(means), None,
-                           _bootstrap_margin_p(means, margin_points), ""), units, margin_points)
-
-
-def units_to_prove(margin_points: float) -> int:
-    """The fewest independent units that can prove ``margin_points`` when none of them lost anything (module
-    docstring): the least k with (1 - m)^k below the one-sided level."""
-    return math.floor(math.log(ALPHA / 2) / math.log(1 - margin_points / 100)) + 1
-
-
-def _floored(paired: Paired, units: int, margin_points: float) -> Paired:
-    """A bootstrap judgement with its margin test floored by what ``units`` independent units can show, and its
-    verdict set: ``within_margin`` needs the floored test to pass as well as the interval to clear the margin."""
-    floor = (1 - margin_points / 100) ** units
-    judged = verdict(paired.difference_ci, margin_points, paired.p_value)
-    blocked = judged == WITHIN and floor >= ALPHA / 2
-    return replace(paired, margin_p=max(paired.margin_p, floor), verdict=INCONCLUSIVE if blocked else judged,
-                   units_needed=units_to_prove(margin_points) if blocked else None)
-
-
-def _bootstrap_margin_p(means: np.ndarray | None, margin_points: float) -> float:
-    if means is None:
-        return 1.0
-    return float((np.count_nonzero(means <= -margin_points / 100) + 1) / (means.size + 1))

@@ -1,103 +1,87 @@
-"""Plan before you run: what a sweep of N items can detect, and how many items proving a margin takes.
+"""Plan before you run: what a sweep can decide, as a power calculation by the same simulation the error rates come
+from (:mod:`kvviz.studies.simulation`), never a best case.
 
-Two numbers, each under a stated assumption (:data:`ASSUMPTIONS`):
-
-- the **detectable loss**: the smallest share of items a configuration must lose (and gain none back) for the exact
-  McNemar test at alpha = 0.05 to call it different from full with 80% power. With no gains the test rejects when at
-  least six items are lost (two-sided p = 2 / 2^lost <= 0.05), so the power is P(Binomial(N, loss) >= 6).
-- the **items for the margin**: the fewest items at which even a configuration that matches full item for item is
-  proven within the margin by Newcombe's interval, when full answers every item right (the widest case: with some
-  items wrong for both, the table's correlation narrows the interval). Any lost item only raises it.
+Under stated assumptions (:attr:`Plan.assumptions`: full's accuracy, one point per family at each true loss, items
+independent), the plan runs the sweep's own design (its families, margin, rounds and cap; one look at N for a fixed
+design) many times and reports, per true loss, how often a point is proven within the margin by the cap, how often
+its loss is proven (beyond the margin, or worse than full), and the median items to a decision.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
+import functools
+from dataclasses import dataclass
 
-from kvviz.studies.paired import ALPHA, Table, mcnemar_exact, newcombe_paired
+from kvviz.studies.sequential import ONE_SIDED, ROUND_ITEMS, fewest_units
+from kvviz.studies.simulation import PowerRow, Scenario, SimulatedPoint, power_row, simulate
 
-POWER = 0.8
-ASSUMPTIONS = {
-    "detectable_loss": "exact McNemar, two-sided alpha 0.05, 80% power; the configuration loses that share of the "
-                       "items and gains none, and full answers at least that share right",
-    "items_for_margin": "Newcombe's 95% interval; the configuration matches full on every item and full answers "
-                        "every item right; any lost item needs more",
-}
-MAX_ITEMS = 100_000
+PLAN_RUNS = 1000  # simulated sweeps per true loss: shares to about +-3 points, in about a second
+DEFAULT_FULL_ACCURACY = 0.75  # the plan's assumption where nothing is known yet (a multikey task's full is near it)
+
+
+def plan_losses(margin: float) -> tuple[float, ...]:
+    """The true losses (points) a plan reports: none, 1 point, half the margin, and twice the margin."""
+    return tuple(sorted({0.0, min(1.0, margin / 2), margin / 2, 2 * margin}))
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What a sweep on ``items`` items can tell at ``margin`` points (module docstring). ``detectable_loss`` is in
-    points (None: too few items for any loss to be detected); ``items_for_margin`` a count."""
+    """What a sweep of ``families`` families on up to ``items`` items (one look at ``items`` when not adaptive) can
+    decide at ``margin`` points, one :class:`PowerRow` per assumed true loss."""
 
     items: int
     margin: float
-    detectable_loss: float | None
-    items_for_margin: int | None
-    assumptions: dict[str, str]
+    families: int
+    adaptive: bool
+    full_accuracy: float
+    rows: tuple[PowerRow, ...]
+    fewest_items: int  # the fewest independent items any test can prove the margin on, at a family's first level
+
+    @property
+    def assumptions(self) -> dict[str, str]:
+        return {"full": f"full is right on {self.full_accuracy:.0%} of the items",
+                "points": f"{self.families} famil{'ies' if self.families != 1 else 'y'}, each with one point at the "
+                          "true loss (lost items only, none gained); items independent",
+                "simulation": f"{PLAN_RUNS:,} simulated sweeps per loss through the sweep's own decisions"}
 
     def sentence(self) -> str:
-        detect = (f"a configuration must lose at least {self.detectable_loss:.0f}% of the items (and gain none) for "
-                  "this run to call it worse than full with 80% power" if self.detectable_loss is not None else
-                  f"no loss can be called significant with {self.items} items (the exact test needs 6 lost)")
-        needed = self.items_for_margin
-        prove = ("" if needed is None else
-                 f"; proving a configuration within {self.margin:g} points of full takes at least {needed:,} items"
-                 + (" (this run has enough for a configuration that matches full)" if self.items >= needed else ""))
-        return f"With {self.items} items, {detect}{prove}."
+        design = (f"Adaptive, up to {self.items} items in rounds of {ROUND_ITEMS}" if self.adaptive
+                  else f"{self.items} items, one look")
+        parts = []
+        for row in self.rows:
+            median = "" if row.median_items is None else f", median {row.median_items:.0f} items"
+            if row.loss_points < self.margin:
+                parts.append(f"losing {row.loss_points:g} points: proven within {row.within.share:.0%}{median}")
+            else:
+                parts.append(f"losing {row.loss_points:g} points: its loss proven {row.loss_proven.share:.0%}"
+                             f"{median}")
+        below = ("" if self.items >= self.fewest_items else
+                 f" No configuration can be proven within the margin on {self.items} items, however alike: it takes "
+                 f"at least {self.fewest_items}.")
+        return (f"{design}, {self.families} famil{'ies' if self.families != 1 else 'y'}, a {self.margin:g}-point "
+                f"margin, full right on {self.full_accuracy:.0%}. A configuration " + "; ".join(parts) + "." + below)
 
     def to_json(self) -> dict:
-        data = asdict(self)
-        if data["detectable_loss"] is not None:
-            data["detectable_loss"] = round(data["detectable_loss"], 2)
-        return data
+        return {"items": self.items, "margin": self.margin, "families": self.families, "adaptive": self.adaptive,
+                "full_accuracy": self.full_accuracy, "fewest_items": self.fewest_items,
+                "rows": [row.to_json() for row in self.rows], "assumptions": self.assumptions}
 
 
-def rejecting_losses() -> int:
-    """The fewest lost items (none gained) at which the exact McNemar test rejects at :data:`ALPHA`."""
-    lost = 1
-    while mcnemar_exact(lost, 0) > ALPHA:
-        lost += 1
-    return lost
-
-
-def power_against(items: int, loss: float) -> float:
-    """P(at least :func:`rejecting_losses` lost of ``items``) when each item is lost with probability ``loss``."""
-    needed = rejecting_losses()
-    return 1.0 - sum(math.comb(items, k) * loss ** k * (1 - loss) ** (items - k) for k in range(needed))
-
-
-def detectable_loss(items: int, power: float = POWER) -> float | None:
-    """The smallest loss (a share) detected with ``power`` on ``items`` items; None with fewer items than the test
-    needs lost."""
-    if items < rejecting_losses():
-        return None
-    low, high = 0.0, 1.0
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (low, middle) if power_against(items, middle) >= power else (middle, high)
-    return high
-
-
-def items_for_margin(margin_points: float) -> int | None:
-    """The fewest items proving a configuration identical to an always-right full within ``margin_points`` (None
-    when even :data:`MAX_ITEMS` do not)."""
-    def proven(n: int) -> bool:
-        return newcombe_paired(Table(n, 0, 0, 0))[0] > -margin_points / 100
-
-    if margin_points <= 0 or not proven(MAX_ITEMS):
-        return None
-    low, high = 1, MAX_ITEMS
-    while low < high:
-        middle = (low + high) // 2
-        low, high = (low, middle) if proven(middle) else (middle + 1, high)
-    return low
-
-
-def plan(items: int, margin_points: float) -> Plan:
-    """The plan of a sweep on ``items`` items judged at ``margin_points``."""
-    loss = detectable_loss(items)
-    return Plan(items, margin_points, None if loss is None else 100 * loss, items_for_margin(margin_points),
-                dict(ASSUMPTIONS))
+@functools.lru_cache(maxsize=64)
+def plan(items: int, margin_points: float, families: int = 1, adaptive: bool = False,
+         full_accuracy: float = DEFAULT_FULL_ACCURACY, runs: int = PLAN_RUNS) -> Plan:
+    """The plan of a sweep (module docstring); ValueError for a margin or an accuracy it cannot simulate."""
+    if not 0 < margin_points < 100:
+        raise ValueError(f"a margin of {margin_points:g} points is not a loss between 0 and 100")
+    if not 0 < full_accuracy <= 1:
+        raise ValueError(f"full's accuracy {full_accuracy:g} is not in (0, 1]")
+    families = max(1, families)
+    rows = []
+    for offset, loss in enumerate(plan_losses(margin_points)):
+        if loss / 100 > full_accuracy:
+            continue  # a point cannot lose more items than full gets right
+        scenario = Scenario(tuple(SimulatedPoint(f, loss / 100) for f in range(families)), full_accuracy,
+                            margin_points / 100, max(1, items), ROUND_ITEMS if adaptive else max(1, items))
+        rows.append(power_row(simulate(scenario, runs, seed=offset), loss))
+    return Plan(items, margin_points, families, adaptive, full_accuracy, tuple(rows),
+                fewest_units(margin_points / 100, ONE_SIDED / families))

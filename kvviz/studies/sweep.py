@@ -8,19 +8,20 @@ point. Each method sizes itself (:meth:`kvviz.cache.spec.Method.sweep_points`), 
 Every point is measured, never interpolated, on one workload (:mod:`kvviz.studies.workloads`), and carries its
 evidence: a 95% interval (:mod:`kvviz.studies.intervals`), the tail beside the mean (the share of prompts below an
 agreement threshold, the worst prompt) and one outcome per item, full's included. Each point is judged against full
-on the same items with a margin (:mod:`kvviz.studies.verdicts`): within the margin, worse, or inconclusive; each
-family's *cliff* is its most compressed point proven within the margin, and the recommendation is a proof after
-Holm's adjustment. Measuring is :mod:`kvviz.studies.sweep_measure`: all configurations of a wave of items decode in one
-batch, and a play's configurations stream together; the rows it measures may come from shards run elsewhere (a Ray
-cluster: :mod:`kvviz.studies.sweep_ray`), and fill the same points.
+on the same items at a margin fixed before the run (:mod:`kvviz.studies.verdicts`): within the margin, beyond it,
+worse (within unproven), or inconclusive; each family's *cliff* is its most compressed point proven within the
+margin, and the recommendation reads the same decisions. A fixed design measures every item once; an adaptive one
+runs in rounds and stops each point once it is decided (:mod:`kvviz.studies.sweep_rounds`). Measuring is
+:mod:`kvviz.studies.sweep_measure`: all configurations of a wave of items decode in one batch, and a play's
+configurations stream together; the rows may come from shards run elsewhere (a Ray cluster:
+:mod:`kvviz.studies.sweep_ray`), and fill the same points.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE, LABELS
 from kvviz.methods import MethodStack, Sizing, SpecError, parse_spec
@@ -31,10 +32,11 @@ from kvviz.studies.frontier import MEASURES
 from kvviz.studies.intervals import BOOTSTRAP_RULE, WILSON_RULE
 from kvviz.studies.paired import DEFAULT_MARGIN, Paired
 from kvviz.studies.power import Plan
-from kvviz.studies.sweep_measure import Measured, Outcome, Rows, fill_points, measure_rows
-from kvviz.studies.sweep_shards import ShardRun
+from kvviz.studies.sweep_measure import Measured, Outcome, fill_points
+from kvviz.studies.sweep_rounds import Adaptive, RoundSource, RoundsRun, in_process, measure_in_rounds
+from kvviz.studies.sweep_shards import ShardRun, ShardStore
 from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, Cliff, compression_of, held_bytes, judged_report
-from kvviz.studies.workloads import ANSWER_RULE, Workload, check_workload
+from kvviz.studies.workloads import ANSWER_RULE, TaskWorkload, Workload, check_workload
 
 DEFAULT_BUDGETS = (0.0625, 0.125, 0.25, 0.5)
 # The Trade-offs page's default run: one family per axis idea, whose curves cross on the lesson prompt (a test pins it)
@@ -164,6 +166,9 @@ class SweepPoint:
     layout_bytes: dict | None = None  # mean over items of what each serving layout would hold (kvviz.cache.layouts)
     outcomes: list[Outcome] = field(default_factory=list)
     error: str | None = None
+    items_used: int | None = None  # the items it ran (an adaptive sweep stops a point once it is decided)
+    stopped: str | None = None  # why it stopped taking items: within, beyond, worse, cap (None: a fixed design)
+    stopped_at_look: int | None = None  # the look (after which round, from 1) it stopped at
 
     @property
     def compression(self) -> float | None:
@@ -206,6 +211,9 @@ class SweepReport:
     plan: Plan | None = None  # what this many items can detect and prove (None: a play has no items)
     block_size: int = DEFAULT_BLOCK_SIZE  # token slots per block of the paged layouts in each point's layout_bytes
     layout: str = "counted"  # the memory that compressions, frontiers, cliffs and the summary count (cache.layouts)
+    margin_fixed: float = DEFAULT_MARGIN  # the margin fixed before the run: verdicts read at another are exploratory
+    item_cap: int | None = None  # an adaptive sweep's cap on items (None: a fixed design, one look at every item)
+    rounds: RoundsRun | None = None  # how the rounds went (None for a play)
 
     @property
     def main_measure(self) -> str:
@@ -226,13 +234,15 @@ class SweepReport:
                 "margin": self.margin, "tail_threshold": self.tail_threshold,
                 "plan": None if self.plan is None else self.plan.to_json(),
                 "notes": self.notes, "seconds": round(self.seconds, 3), "block_size": self.block_size,
-                "layout": self.layout,
+                "layout": self.layout, "margin_fixed": self.margin_fixed, "item_cap": self.item_cap,
+                "exploratory": self.margin != self.margin_fixed,
+                "rounds": None if self.rounds is None else self.rounds.to_json(),
                 **(self.shard_run.to_json() if self.shard_run is not None else {})}
 
     def to_frame(self):
         import pandas as pd
 
-        hidden = ("factors", "outcomes", "paired", "paired_by_measure", "layout_bytes")
+        hidden = ("factors", "outcomes", "paired", "paired_by_measure", "layout_bytes", "stopped_at_look")
         rows = [{k: v for k, v in p.to_json().items() if k not in hidden} | self._layout_columns(p)
                 | _paired_columns(p.paired) for p in self.points]
         return pd.DataFrame(rows)
@@ -284,27 +294,24 @@ def _cliff_json(cliff: Cliff | None) -> dict | None:
     return None if cliff is None else asdict(cliff) | {"sentence": cliff.sentence()}
 
 
-# Measures the rows of every item under the SPECs given (full first): in process, or shards on a cluster
-RowSource = Callable[[list[str], Progress | None], tuple[Rows, ShardRun | None]]
-
-
-def in_process(loaded: LoadedModel, workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE) -> RowSource:
-    """Every item measured here, in one go."""
-    def measure(specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun | None]:
-        return measure_rows(loaded, workload, specs, None, progress, block_size), None
-
-    return measure
-
-
 def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets: list[float] = DEFAULT_BUDGETS,
-              progress: Progress | None = None, rows: RowSource | None = None, margin: float = DEFAULT_MARGIN,
-              tail_threshold: float = DEFAULT_TAIL_THRESHOLD, block_size: int = DEFAULT_BLOCK_SIZE) -> SweepReport:
-    """Measure every family at every budget on ``workload`` (full first, the reference), then judge every point
-    against full at ``margin`` points: frontiers, cliffs, the recommendation. ``rows`` measures elsewhere (shards
-    on a cluster); by default this process measures every item. ValueError (SpecError, PromptError included) for
-    bad arguments, before any model work. Layouts page in blocks of ``block_size`` token slots (``rows`` measures
-    with the same)."""
+              progress: Progress | None = None, source: RoundSource | None = None, margin: float = DEFAULT_MARGIN,
+              tail_threshold: float = DEFAULT_TAIL_THRESHOLD, block_size: int = DEFAULT_BLOCK_SIZE,
+              adaptive: Adaptive | None = None, store: ShardStore | None = None) -> SweepReport:
+    """Measure every family at every budget on ``workload`` (full first, the reference) and judge every point
+    against full at ``margin`` points, fixed now: frontiers, cliffs, the recommendation. A fixed design measures
+    every item once; ``adaptive`` runs in rounds and stops each point once it is decided. ``source`` measures
+    elsewhere (shards on a cluster); by default this process measures, keeping each round in ``store``. ValueError
+    (SpecError, PromptError included) for bad arguments, before any model work. Layouts page in blocks of
+    ``block_size`` token slots (``source`` measures with the same)."""
     check_sweep(list(specs), list(budgets), workload)
+    if not 0 < margin < 100:
+        raise ValueError(f"a margin of {margin:g} points is not a loss between 0 and 100")
+    if adaptive is not None:
+        adaptive.check()
+        if workload.kind == "text":
+            raise ValueError("a play is one stream of text, with no items to add in rounds: sweep it without "
+                             "--adaptive")
     card = model_card(loaded)
     sizing = Sizing(workload.sizing_length(), card.kv_heads, card.head_dim, card.bytes_per_element)
     families, planned = plan(list(specs), list(budgets), sizing)
@@ -312,43 +319,49 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     full = Family("full", None, (), "fixed")
     planned = [(full, None, "full"), *planned]
     points = [SweepPoint(spec, family.spec, family.kind, share) for family, share, spec in planned]
-    measured_rows, shard_run = (rows or in_process(loaded, workload, block_size))([p.spec for p in points], progress)
-    measured: Measured = fill_points(workload, points, measured_rows)
+    main = workload.measures[0]
+    rows, rounds = measure_in_rounds(workload, points, source or in_process(loaded, workload, block_size, store),
+                                     main.key, tail_threshold, margin, adaptive, progress)
+    measured: Measured = fill_points(workload, points, rows)
+    for point, allocated in zip(points, rounds.allocation, strict=True):
+        point.items_used, point.stopped, point.stopped_at_look = (allocated.items_used, allocated.stopped,
+                                                                  allocated.look)
     notes = measured.notes + budget_reversals(points)
     measure_keys = [m.key for m in workload.measures]
-    main = workload.measures[0]
     rules = {}
     if main.interval == "accuracy_ci":
         rules["interval"] = WILSON_RULE
     elif main.interval == "agreement_ci" and len(measured.items) > 1:
         rules["interval"] = BOOTSTRAP_RULE
     if main.paired is not None:
-        rules["paired"] = PAIRED_RULES[main.paired]
+        rules["paired"] = PAIRED_RULE
         rules["verdicts"] = VERDICT_RULE
     if workload.kind == "prompt" and workload.answered:
         rules["answer"] = ANSWER_RULE
         rules["agreement_interval"] = BOOTSTRAP_RULE
     if measured.groups is not None:
         rules["groups"] = GROUPS_RULE
-    if progress is not None and shard_run is None:  # a sharded sweep's bar ends with its last shard
+    if progress is not None and rounds.shard_run is None:  # a sharded sweep's bar ends with its last shard
         progress(1.0, "done")
-    report = SweepReport(loaded.name, workload.describe(), workload.kind, measured.prompt_tokens, list(budgets),
+    used = replace(workload, items=rounds.items) if isinstance(workload, TaskWorkload) else workload
+    report = SweepReport(loaded.name, used.describe(), workload.kind, measured.prompt_tokens, list(budgets),
                          families, points, measure_keys, time.perf_counter() - started, notes, measured.items,
-                         rules=rules, shard_run=shard_run, groups=measured.groups, block_size=block_size)
+                         rules=rules, shard_run=rounds.shard_run, groups=measured.groups, block_size=block_size,
+                         margin=margin, margin_fixed=margin,
+                         item_cap=None if adaptive is None else adaptive.max_items,
+                         rounds=None if workload.kind == "text" else rounds)
     return judged_report(report, margin, tail_threshold)
 
 
-PAIRED_RULES = {
-    "binary": "each configuration against full on the same items: lost and gained items, the difference's 95% "
-              "interval by Newcombe's hybrid score method for paired proportions, the exact McNemar p",
-    "mean": "each configuration against full on the same prompts: the mean difference in agreement with a 95% "
-            "bootstrap interval over prompts",
-}
-VERDICT_RULE = ("within_margin when the interval's lower bound lies above minus the margin, worse when its upper "
-                "bound lies below zero (and the exact test rejects), inconclusive otherwise; a cliff walks each "
-                "family from its least compressed point and stops at the first not within the margin; the "
-                "recommendation needs the margin test to pass after Holm's adjustment across every point")
-GROUPS_RULE = "prompts sharing a group (one document) are resampled together in every interval"
+PAIRED_RULE = ("each configuration against full on the same units (items, or groups of items sharing a document): "
+               "lost and gained items, the mean difference with its anytime-valid 95% interval (a betting confidence "
+               "sequence, Waudby-Smith & Ramdas 2023)")
+VERDICT_RULE = ("three one-sided claims per point, each an anytime-valid test at 2.5% across the whole sweep: within "
+                "the margin (a closed procedure: each family an equal share, its points tested from the least "
+                "compressed budget), beyond it and below full (Holm across every point); a point may stop at any "
+                "look, and the cliffs and the recommendation read the same decisions")
+GROUPS_RULE = ("prompts sharing a group (one document) are one unit of every test, and resampled together in every "
+               "interval")
 
 
 def budget_reversals(points: list[SweepPoint]) -> list[str]:

@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
+
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.engine.batched import decode_prompts
 from kvviz.engine.results import MethodResult
@@ -29,7 +31,7 @@ from kvviz.runtime.progress import Progress
 from kvviz.studies.intervals import bootstrap_mean, percentile, wilson
 from kvviz.studies.perplexity import play_text, streaming_perplexities
 from kvviz.studies.tail_attribution import failure_cause, span_fates
-from kvviz.studies.tail_items import NEW_TOKENS, spread_items
+from kvviz.studies.tail_items import NEW_TOKENS, stream_items
 from kvviz.studies.workloads import PromptWorkload, TaskWorkload, TextWorkload, Workload, answer_found
 
 
@@ -86,21 +88,22 @@ class Cell:
 
 @dataclass
 class ItemRecord:
-    """One item of a workload measured under every configuration: what it is (id, prompt, expected answer), its
+    """One item of a workload measured under some configurations: what it is (id, prompt, expected answer), its
     prompt tokens, the document it shares with others (``group``; None: its own) and one :class:`Cell` per
-    configuration, full first."""
+    configuration, full first (None where a configuration did not run the item: an adaptive sweep stopped it)."""
 
     listing: dict
     tokens: int
-    cells: list[Cell]
+    cells: list[Cell | None]
     group: str | None = None
 
 
 @dataclass
 class Rows:
-    """Some items of a workload measured under every configuration, one record per item, in item order."""
+    """Items of a workload measured under configurations, one record per item, in the order the items were used."""
 
     records: list[ItemRecord] = field(default_factory=list)
+    reused: bool = False  # read back from a store, not measured now
 
     @classmethod
     def join(cls, parts: Sequence[Rows]) -> Rows:
@@ -108,8 +111,8 @@ class Rows:
         return cls([record for part in parts for record in part.records])
 
     def column(self, index: int) -> list[Cell]:
-        """Every item's cell of the configuration at ``index``."""
-        return [record.cells[index] for record in self.records]
+        """The cells of the configuration at ``index`` on the items it ran (a prefix of full's: the first items)."""
+        return [record.cells[index] for record in self.records if record.cells[index] is not None]
 
     def groups(self) -> list[str] | None:
         """Each item's group (its own id when it has none), or None when no item shares a group."""
@@ -128,6 +131,23 @@ def item_count(workload: Workload) -> int:
     if isinstance(workload, PromptWorkload):
         return len(workload.prompts)
     return 1
+
+
+UNIT_ORDER_SEED = 0  # prompt sets are used in one fixed shuffled order: independent units, whatever the file's order
+
+
+def unit_order(workload: Workload) -> list[tuple[int, ...]]:
+    """The units of ``workload`` (each the item indices of one group, or one item) in the order a sweep uses them:
+    a task's items in stream order (up to its item count), a prompt set's groups shuffled from a fixed seed (a
+    file sorted by topic or length would otherwise feed the tests units that are not alike in law), a play whole."""
+    if not isinstance(workload, PromptWorkload):
+        return [(index,) for index in range(item_count(workload))]
+    members: dict[str, list[int]] = {}
+    for index, prompt in enumerate(workload.prompts):
+        members.setdefault(prompt.group or f"\0{index}", []).append(index)
+    units = [tuple(indices) for indices in members.values()]
+    order = np.random.default_rng(UNIT_ORDER_SEED).permutation(len(units))
+    return [units[i] for i in order]
 
 
 def measure_rows(loaded: LoadedModel, workload: Workload, specs: list[str], indices: Sequence[int] | None = None,
@@ -199,8 +219,7 @@ class TaskMeasuring:
 
     def rows(self, loaded: LoadedModel, workload: TaskWorkload, specs: list[str], indices: list[int],
              progress: Progress | None, block_size: int = DEFAULT_BLOCK_SIZE) -> Rows:
-        every = spread_items(loaded.tokenizer, workload.task, workload.length, workload.items, workload.seed)
-        items = [every[i] for i in indices]
+        items = stream_items(loaded.tokenizer, workload.task, workload.length, indices, workload.seed)
         per_item = decode_prompts(loaded, [item.ids for item in items], specs, NEW_TOKENS[workload.task], FREE,
                                   progress)
         quantized = [parse_spec(spec).quantization is not None for spec in specs]
@@ -226,12 +245,12 @@ class TaskMeasuring:
         full = rows.column(0)
         for index, point in enumerate(points):
             cells = rows.column(index)
-            if not fill_measured(point, cells, full):
+            if not fill_measured(point, cells, full[:len(cells)]):
                 continue
-            fill_accuracy(point, point.outcomes, [cell.outcome for cell in full], None)
+            fill_accuracy(point, point.outcomes, [cell.outcome for cell in full[:len(cells)]], None)
         right = sum(bool(c.outcome and c.outcome.correct) for c in full)
         notes = [f"The full cache is right on {right} of {len(full)} items ({right / len(full):.0%}); every "
-                 "configuration is scored on all of them and judged against full item by item."]
+                 "configuration is scored on the items it ran and judged against full item by item."]
         return Measured(rows.mean_tokens(), notes, [record.listing for record in rows.records])
 
 
@@ -264,11 +283,12 @@ class PromptMeasuring:
         full = rows.column(0)
         for column, point in enumerate(points):
             cells = rows.column(column)
-            if not fill_measured(point, cells, full):
+            if not fill_measured(point, cells, full[:len(cells)]):
                 continue
             agreements = [o.agreement for o in point.outcomes]
+            ran = None if groups is None else groups[:len(cells)]
             point.agreement_with_full = sum(agreements) / len(agreements)
-            point.agreement_ci = bootstrap_mean(agreements, groups)
+            point.agreement_ci = bootstrap_mean(agreements, ran)
             point.worst_prompt_agreement = min(agreements)
             point.mean_kl = sum(o.mean_kl for o in point.outcomes) / len(point.outcomes)
             point.kl_p95 = percentile([kl for c in cells for kl in c.kl_per_step], 0.95)
@@ -276,15 +296,15 @@ class PromptMeasuring:
             point.first_divergence = min(divergences) if divergences else None
             point.items_scored = len(cells)
             if workload.answered:
-                fill_accuracy(point, point.outcomes, [cell.outcome for cell in full], groups)
+                fill_accuracy(point, point.outcomes, [cell.outcome for cell in full[:len(cells)]], ran)
         notes = []
         if workload.answered:
             right = sum(bool(c.outcome.correct) for c in full)
             notes.append(f"The full cache's output holds the answer on {right} of {len(full)} prompts; every "
-                         "configuration is scored on all of them and judged against full prompt by prompt.")
+                         "configuration is scored on the prompts it ran and judged against full prompt by prompt.")
         if groups is not None:
-            notes.append(f"{len(set(groups))} groups of prompts sharing a document: every interval resamples whole "
-                         "groups.")
+            notes.append(f"{len(set(groups))} groups of prompts sharing a document: each group is one unit of every "
+                         "test, and every interval resamples whole groups.")
         return Measured(workload.sizing_length(), notes, [record.listing for record in rows.records], groups)
 
 

@@ -12,23 +12,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Protocol
 
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.runtime.cluster import ClusterConfig, ModelSource, WorkerIdentity, WorkerPool
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
-from kvviz.studies.sweep_measure import Rows, item_count, measure_rows
-from kvviz.studies.sweep_shards import ModelKey, ShardKey, ShardRun, cut_shards, shard_size
+from kvviz.studies.sweep_measure import Rows, measure_rows
+from kvviz.studies.sweep_shards import ShardKey, ShardRun, ShardStore, cut_shards, shard_size, stream_key
 from kvviz.studies.workloads import Workload
-
-
-class ShardStore(Protocol):
-    """Where finished shards live (:class:`kvviz.runs.ResultStore`), keyed by the workers' model and the shard."""
-
-    def load(self, model: ModelKey, request: ShardKey) -> Rows | None: ...
-
-    def save(self, model: ModelKey, request: ShardKey, result: Rows) -> None: ...
 
 
 def measure_shard(loaded: LoadedModel, workload: Workload, specs: tuple[str, ...], items: tuple[int, ...],
@@ -121,20 +112,21 @@ WORKER_POOLS = WorkerPools()  # this process's kept workers (a server's); keep_s
 
 def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload, store: ShardStore | None,
                  block_size: int = DEFAULT_BLOCK_SIZE, stop: threading.Event | None = None):
-    """A row source for :func:`kvviz.studies.sweep.run_sweep` that measures ``workload``'s items in shards on the
+    """A round source for :func:`kvviz.studies.sweep.run_sweep` that measures each round's items in shards on the
     cluster ``config`` names, reusing and saving shards in ``store``. It computes nothing in this process: a run
     waiting on it holds no place in the model's engine (:class:`kvviz.runtime.jobs.Elsewhere`). ``stop`` set (the
     run was cancelled): no further shard is started, and the sweep ends with what was stored."""
 
-    def measure(specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun]:
+    def measure(specs: list[str], indices: list[int], progress: Progress | None) -> tuple[Rows, ShardRun]:
         with WORKER_POOLS.lease(config, source) as pool:
-            return measure_on(pool, specs, progress)
+            return measure_on(pool, specs, indices, progress)
 
-    def measure_on(pool: WorkerPool, specs: list[str], progress: Progress | None) -> tuple[Rows, ShardRun]:
+    def measure_on(pool: WorkerPool, specs: list[str], indices: list[int],
+                   progress: Progress | None) -> tuple[Rows, ShardRun]:
         identity: WorkerIdentity = pool.identity
-        count = item_count(workload)
-        shards = [ShardKey(workload, tuple(specs), items, block_size)
-                  for items in cut_shards(count, config.shard_items or shard_size(count, pool.size))]
+        size = config.shard_items or shard_size(len(indices), pool.size)
+        shards = [ShardKey(stream_key(workload), tuple(specs), tuple(indices[i] for i in positions), block_size)
+                  for positions in cut_shards(len(indices), size)]
         found = {i: store.load(identity, key) for i, key in enumerate(shards)} if store is not None else {}
         parts: dict[int, Rows] = {i: rows for i, rows in found.items() if rows is not None}
         seconds: list[float | None] = [None] * len(shards)

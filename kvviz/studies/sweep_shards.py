@@ -9,11 +9,11 @@ dtype and kvviz's code, so a shard measured once is reused by any later sweep th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol
 
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
-from kvviz.studies.workloads import Workload
+from kvviz.studies.workloads import TaskWorkload, Workload
 
 
 class ModelKey(Protocol):
@@ -30,16 +30,30 @@ class ModelKey(Protocol):
     def dtype(self) -> Any: ...
 
 
+class ShardStore(Protocol):
+    """Where finished shards and rounds live (:class:`kvviz.runs.ResultStore`), keyed by the model and the shard."""
+
+    def load(self, model: ModelKey, request: ShardKey) -> Any | None: ...
+
+    def save(self, model: ModelKey, request: ShardKey, result: Any) -> None: ...
+
+
 @dataclass(frozen=True)
 class ShardKey:
-    """What a finished shard is stored under (a request for :class:`kvviz.runs.ResultStore`): the sweep's workload
-    and SPECs (full first) and the shard's item indices."""
+    """What a finished shard (or a sweep's round) is stored under (a request for :class:`kvviz.runs.ResultStore`):
+    the sweep's workload as :func:`stream_key` gives it, the SPECs it ran (full first) and its item indices."""
 
     kind: ClassVar[str] = "sweep_shard"
     workload: Workload
     specs: tuple[str, ...]
     items: tuple[int, ...]
     block_size: int = DEFAULT_BLOCK_SIZE  # of the layouts its cells report
+
+
+def stream_key(workload: Workload) -> Workload:
+    """The workload as the store keys a shard or a round: a task's stream without its item count (item i is the same
+    item whatever the count), so a sweep asked with a larger cap finds what a smaller one measured."""
+    return replace(workload, items=0) if isinstance(workload, TaskWorkload) else workload
 
 
 def shard_size(items: int, workers: int) -> int:

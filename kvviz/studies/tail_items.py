@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvviz.engine.session import PromptError
@@ -296,12 +297,19 @@ def generate_items(tokenizer, tasks: list[str], lengths: list[int], depths: list
     return items
 
 
-def spread_items(tokenizer, task: str, length: int, count: int, seed: int = 0) -> list[TailItem]:
-    """``count`` items of ``task`` at depths spread evenly over the context (item i at depth (i + 0.5) / count),
-    each its own trial of ``seed`` (its own key, values and filler); vartrack alternates 1 and 2 hops. The same
-    arguments give the same items, so every configuration and every run scores the same ones."""
-    return [build_item(tokenizer, task, length, round((index + 0.5) / count, 4), seed, index,
-                       1 + index % 2 if task == "vartrack" else 0) for index in range(count)]
+def stream_items(tokenizer, task: str, length: int, indices: Sequence[int], seed: int = 0) -> list[TailItem]:
+    """Items ``indices`` of ``task``'s endless stream under ``seed``: item i is its own trial (its own key, values and
+    filler) at a depth drawn uniformly for it, and vartrack's item i has 1 or 2 hops at random. Each item depends on
+    its index and the seed alone, never on how many are asked for, so a sweep can add items later and every
+    configuration and run scores the same ones; drawn independently, the items are the independent units the
+    sweep's tests assume."""
+    items = []
+    for index in indices:
+        draw = random.Random(f"kvviz-stream:{task}:{seed}:{index}")
+        depth = round(min(0.9999, max(0.0001, draw.random())), 4)
+        items.append(build_item(tokenizer, task, length, depth, seed, index,
+                                1 + draw.randrange(2) if task == "vartrack" else 0))
+    return items
 
 
 def item_from_id(tokenizer, item_id: str, seed: int = 0) -> TailItem:

@@ -3,13 +3,18 @@ that is a proof, not a best point estimate.
 
 The rules (docs/quality.md works them through):
 
-- **paired**: each point against full over the same items (:mod:`kvviz.studies.paired`): lost, gained, the
-  difference with its 95% interval, the exact McNemar p and the verdict against the margin;
-- **cliff** (fixed-sequence testing, no adjustment needed): walking a family from its least compressed point, the
-  last point proven within the margin before the first that is not; fewer items can only move it down;
-- **recommendation**: the most compressed configuration whose margin test survives Holm's adjustment across every
-  point of the sweep;
-- **frontier**: a point is dominated only by one with no more bytes that is significantly better on the same items;
+- **paired**: each point against full over the same units (items, or groups of items sharing a document), its
+  difference with an anytime-valid 95% interval (:mod:`kvviz.studies.paired`);
+- **verdicts**: three one-sided claims per point (within the margin, beyond it, below full), each an anytime-valid
+  test held at 2.5% across every point of the sweep by one closed procedure (:mod:`kvviz.studies.sequential`), so
+  a verdict stays valid however early its point stopped taking items;
+- **cliff**: walking a family from its least compressed budget (the order the procedure tests ``within`` in), the
+  last point proven within the margin before the first that is not;
+- **recommendation**: the most compressed point proven within the margin by the same decisions: cliffs and the
+  recommendation read one set of decisions and cannot contradict each other;
+- **margin**: fixed before the run and stored with it; read at another margin afterwards, every verdict is labelled
+  exploratory;
+- **frontier**: a point is dominated only by one with no more bytes that is proven better on the same units;
 - **memory**: compressions, and so the frontier, the cliffs and the recommendation, count the bytes kvviz holds or
   what a serving layout would hold for the same kept tokens (:mod:`kvviz.cache.layouts`); the verdicts against full
   do not depend on memory;
@@ -21,43 +26,60 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+import numpy as np
 
 from kvviz.cache.layouts import LABELS, compression_in
 from kvviz.studies.frontier import MEASURES, Measure, on_frontier
 from kvviz.studies.intervals import bootstrap_mean, wilson
 from kvviz.studies.paired import (
-    ALPHA,
-    WITHIN,
-    WORSE,
+    BELOW_FULL,
+    INCONCLUSIVE,
+    VERDICT_BEYOND,
+    VERDICT_WITHIN,
     Paired,
-    Table,
-    holm,
-    mcnemar_exact,
-    paired_binary,
-    paired_mean,
+    unit_differences,
 )
 from kvviz.studies.power import plan
+from kvviz.studies.sequential import (
+    BEYOND,
+    CLAIMS,
+    ONE_SIDED,
+    WITHIN,
+    WORDS,
+    WORSE,
+    Design,
+    Families,
+    claim_p_values,
+    confidence_bound,
+    confidence_interval,
+    fewest_units,
+    p_value,
+)
 
 DEFAULT_TAIL_THRESHOLD = 0.9  # a prompt whose agreement with full falls below 90% counts in the tail
-PROVEN = ALPHA / 2  # the margin test is one-sided: the lower half of the two-sided 95% interval
 
 
-def item_values(point, measure: Measure, threshold: float) -> list | None:
-    """The per-item values a paired comparison reads on ``measure``: right/wrong (accuracy), the prompt held at or
-    above the threshold (the tail), agreement with full, mean KL; None when the point has none."""
-    outcomes = point.outcomes
-    if point.error is not None or not outcomes:
-        return None
-    if measure.key == "accuracy":
+def outcome_values(outcomes: Sequence, measure_key: str, threshold: float) -> list | None:
+    """The per-item values a paired comparison reads on a measure: right/wrong (accuracy), the prompt held at or
+    above the threshold (the tail), agreement with full, mean KL; None when an outcome lacks it."""
+    if measure_key == "accuracy":
         values = [o.correct for o in outcomes]
-    elif measure.key == "tail_share":
+    elif measure_key == "tail_share":
         values = [None if o.agreement is None else o.agreement >= threshold for o in outcomes]
-    elif measure.key in ("agreement_with_full", "mean_kl"):
-        values = [o.agreement if measure.key == "agreement_with_full" else o.mean_kl for o in outcomes]
+    elif measure_key in ("agreement_with_full", "mean_kl"):
+        values = [o.agreement if measure_key == "agreement_with_full" else o.mean_kl for o in outcomes]
     else:
         return None
     return None if any(v is None for v in values) else values
+
+
+def item_values(point, measure: Measure, threshold: float) -> list | None:
+    """A point's per-item values on ``measure`` (:func:`outcome_values`); None when it failed or has none."""
+    if point.error is not None or not point.outcomes:
+        return None
+    return outcome_values(point.outcomes, measure.key, threshold)
 
 
 def fill_tail(points: Sequence, threshold: float, groups: list[str] | None) -> None:
@@ -68,38 +90,60 @@ def fill_tail(points: Sequence, threshold: float, groups: list[str] | None) -> N
         below = [o.agreement < threshold for o in point.outcomes]
         point.tail_share = sum(below) / len(below)
         point.tail_ci = (wilson(sum(below), len(below)) if groups is None else
-                         bootstrap_mean([float(b) for b in below], groups))
+                         bootstrap_mean([float(b) for b in below], groups[:len(below)]))
 
 
-def judge(points: Sequence, measure: Measure, margin: float, threshold: float,
-          groups: list[str] | None) -> list[Paired | None]:
-    """Each point against full (the first point) on ``measure``; full itself and points without items get None.
-    Both p-values are Holm-adjusted across the points judged."""
+def sweep_design(points: Sequence, judged: Sequence[int], margin: float) -> Design:
+    """The design of the points at ``judged`` (indices into ``points``): their families in budget order."""
+    return Design(margin / 100, Families.of([(points[i].family, points[i].budget) for i in judged]))
+
+
+def judge(points: Sequence, measure: Measure, margin: float, threshold: float, groups: list[str] | None,
+          exploratory: bool = False) -> list[Paired | None]:
+    """Each point against full (the first point) on ``measure``, all decided at once by the sweep's closed
+    procedure (:mod:`kvviz.studies.sequential`); full and points without items get None. A point that ran fewer
+    items than full (an adaptive sweep stopped it) is paired on the items it ran."""
+    judged: list[Paired | None] = [None] * len(points)
     full = item_values(points[0], measure, threshold)
-    judged: list[Paired | None] = [None]
-    for point in points[1:]:
-        values = item_values(point, measure, threshold)
-        if full is None or values is None or measure.paired is None:
-            judged.append(None)
-        elif measure.paired == "binary":
-            judged.append(paired_binary(full, values, margin, groups))
-        else:
-            judged.append(paired_mean([v - f for f, v in zip(full, values, strict=True)], margin, groups))
-    p_adjusted = holm([None if j is None else j.p_value for j in judged])
-    margin_adjusted = holm([None if j is None else j.margin_p for j in judged])
-    return [None if j is None else replace(j, p_adjusted=p, margin_p_adjusted=m)
-            for j, p, m in zip(judged, p_adjusted, margin_adjusted, strict=True)]
+    if full is None or measure.paired is None:
+        return judged
+    found = [(i, item_values(p, measure, threshold)) for i, p in enumerate(points) if i > 0]
+    found = [(i, v) for i, v in found if v is not None]
+    if not found:
+        return judged
+    indices = [i for i, _ in found]
+    differences = [unit_differences(full[:len(v)], v, None if groups is None else groups[:len(v)]) for _, v in found]
+    design = sweep_design(points, indices, margin)
+    p = claim_p_values(differences, margin / 100)
+    look = design.look(p)
+    adjusted = {claim: design.adjusted_p(p, claim) for claim in CLAIMS}
+    needed = fewest_units(margin / 100, ONE_SIDED / len(design.families.within))
+    for j, ((index, values), d) in enumerate(zip(found, differences, strict=True)):
+        code = int(look.verdicts[0, j])
+        items = np.asarray(values, dtype=float) - np.asarray(full[:len(values)], dtype=float)
+        claim = {WITHIN: "within", BEYOND: "beyond", WORSE: "worse"}.get(code)
+        level = None if claim is None else float(look.levels[claim][0, j])
+        judged[index] = Paired(
+            len(values), len(d), int(np.count_nonzero(items < 0)), int(np.count_nonzero(items > 0)), float(np.mean(d)),
+            confidence_interval(d), float(p["worse"][0, j]), float(p["within"][0, j]), float(p["beyond"][0, j]),
+            WORDS[code], margin, float(adjusted["worse"][j]), float(adjusted["within"][j]),
+            float(adjusted["beyond"][j]), None if claim is None else confidence_bound(d, 1 if code == WITHIN else -1,
+                                                                                     level),
+            level, needed if code not in (WITHIN, BEYOND, WORSE) and len(d) < needed else None, exploratory)
+    return judged
 
 
 def significantly_better(ours: list, theirs: list, measure: Measure, groups: list[str] | None) -> bool:
-    """Whether ``ours`` beats ``theirs`` on the same items: the exact McNemar test (right/wrong) or the bootstrap
-    interval of the mean difference (a per-item value) excludes no difference, on the better side."""
-    if measure.paired == "binary":
-        table = Table.of(theirs, ours)
-        return table.gained > table.lost and mcnemar_exact(table.lost, table.gained) < ALPHA
-    sign = 1.0 if measure.higher_is_better else -1.0
-    interval = bootstrap_mean([sign * (o - t) for o, t in zip(ours, theirs, strict=True)], groups)
-    return interval is not None and interval[0] > 0
+    """Whether ``ours`` beats ``theirs`` on the units both ran: the betting test of a positive mean difference at
+    2.5% for a bounded per-item value (right/wrong, agreement), the bootstrap interval over units for an unbounded
+    one (KL), whose values lower is better."""
+    count = min(len(ours), len(theirs))
+    shared = None if groups is None else groups[:count]
+    if measure.key == "mean_kl":
+        interval = bootstrap_mean([t - o for o, t in zip(ours[:count], theirs[:count], strict=True)], shared)
+        return interval is not None and interval[0] > 0
+    d = unit_differences(theirs[:count], ours[:count], shared)
+    return bool(np.mean(d) > 0) and p_value(d, 0.0, "better") <= ONE_SIDED
 
 
 def held_bytes(point, layout: str = "counted") -> float | None:
@@ -142,9 +186,9 @@ def frontier_flags(points: Sequence, measure: Measure, threshold: float, groups:
 @dataclass(frozen=True)
 class Cliff:
     """Where a family falls off on a measure: ``spec`` its most compressed point proven within the margin, walking
-    from its least compressed (None: not even that one); ``past`` the first point that is not, and what it could
-    hide or that it is worse (None: every point measured is proven). ``items_needed``: how many items proving the
-    margin would take at the least, said when nothing is proven."""
+    from its least compressed budget (None: not even that one); ``past`` the first point that is not, and its
+    verdict in words (None: every point measured is proven). ``items_needed``: how many items proving the margin
+    would take at the least, said when nothing is proven and the run had fewer."""
 
     family: str
     spec: str | None
@@ -172,35 +216,44 @@ class Cliff:
 
 def find_cliff(family: str, members: Sequence[tuple[str, float, Paired | None]], margin: float,
                items_needed: int | None = None, layout: str = "counted") -> Cliff | None:
-    """The cliff of a family from its points (SPEC, compression, judgement against full), None when some point was
-    not judged. Fixed-sequence: the walk stops at the first point not proven, whatever lies beyond it."""
+    """The cliff of a family from its points (SPEC, compression, judgement against full) listed least compressed
+    budget first, None when some point was not judged. The walk stops at the first point not proven within the
+    margin (the procedure tests a family's points in this order, so none beyond it is proven); the cliff is the most
+    compressed point proven before it (a serving layout may free less for a smaller budget)."""
     if not members or any(paired is None for _, _, paired in members):
         return None
-    held: tuple[str, float] | None = None
-    for spec, compression, paired in sorted(members, key=lambda m: m[1]):
-        if paired.verdict != WITHIN:
+    held: tuple[str, float] | None = None  # the most compressed point proven so far (in the layout's bytes)
+    for spec, compression, paired in members:
+        if paired.verdict != VERDICT_WITHIN:
+            undecided = held is None and paired.verdict == INCONCLUSIVE
             return Cliff(family, *(held or (None, None)), spec, compression, paired.describe(), margin,
-                         None if held else items_needed, layout)
-        held = (spec, compression)
+                         items_needed if undecided else None, layout)
+        if held is None or compression > held[1]:
+            held = (spec, compression)
     return Cliff(family, *held, margin=margin, layout=layout)
 
 
 def family_cliffs(report, measure_key: str) -> dict[str, Cliff | None]:
-    """Every family's cliff on ``measure_key`` (the chart's stars follow the measure on screen), its points ordered
-    and its compressions read in the report's memory layout."""
-    needed = report.plan.items_for_margin if report.plan else None
+    """Every family's cliff on ``measure_key`` (the chart's stars follow the measure on screen), its points in
+    budget order and its compressions read in the report's memory layout."""
+    needed = report.plan.fewest_items if report.plan and report.plan.items < report.plan.fewest_items else None
     compression = {p.spec: compression_of(p, report.full, report.layout) for p in report.points}
+
+    def budget_order(point) -> float:
+        return -(point.budget if point.budget is not None else np.inf)
+
     return {f.spec: find_cliff(f.spec, [(p.spec, compression[p.spec], p.paired_by_measure.get(measure_key))
-                                        for p in report.points if p.family == f.spec and p.error is None
-                                        and compression[p.spec]], report.margin, needed, report.layout)
+                                        for p in sorted(report.points, key=budget_order)
+                                        if p.family == f.spec and p.error is None and compression[p.spec]],
+                               report.margin, needed, report.layout)
             for f in report.families if f.member is not None}
 
 
 def recommendation(points: Sequence, measure: Measure, margin: float, scope: str, needed: int | None,
                    layout: str = "counted") -> list[str]:
     """Sentences a reader can deploy from: full's own score, the most compressed configuration (in ``layout``'s
-    bytes) proven within the margin after Holm's adjustment (or that none is, the closest and how many items proving
-    it would take), and the configurations shown worse than full."""
+    bytes) proven within the margin (or that none is: the closest, and how many items proving anything would take),
+    and the configurations proven below full; all read from the verdicts the cliffs read."""
     full = points[0]
     compression = {p.spec: compression_of(p, full, layout) for p in points}
     lines = []
@@ -212,28 +265,32 @@ def recommendation(points: Sequence, measure: Measure, margin: float, scope: str
     judged = [(p, p.paired) for p in points[1:] if p.paired is not None and compression[p.spec]]
     if not judged:
         return lines
-    proven = [(p, j) for p, j in judged if j.margin_p_adjusted is not None and j.margin_p_adjusted < PROVEN]
-    count = f"{len(judged)} configuration{'s' if len(judged) != 1 else ''}"
+    families = len({p.family for p, _ in judged})
+    across = (f"{len(judged)} configuration{'s' if len(judged) != 1 else ''} in {families} "
+              f"famil{'ies' if families != 1 else 'y'}")
+    proven = [(p, j) for p, j in judged if j.verdict == VERDICT_WITHIN]
     if proven:
         best, paired = max(proven, key=lambda pj: (compression[pj[0].spec], pj[1].difference))
         others = len(proven) - 1
         lines.append(f"Deploy {best.spec}: {smaller_than_full(compression[best.spec], layout)} and proven within "
-                     f"{margin:g} points of it on {measure.label} ({paired.interval_text()}; margin test p "
-                     f"{paired.margin_p_adjusted:.3f} after Holm's adjustment across {count})"
+                     f"{margin:g} points of it on {measure.label}, losing at most "
+                     f"{max(0.0, -100 * paired.bound):.1f} points ({paired.interval_text()}; within-margin p "
+                     f"{paired.margin_p_adjusted:.3g} after the closed procedure across {across})"
                      + (f"; {others} other{'s are' if others > 1 else ' is'} proven too, less compressed."
                         if others else "."))
     else:
         closest, paired = max(judged, key=lambda pj: (pj[1].difference_ci or (-1.0, -1.0))[0])
-        hint = f" Proving a {margin:g}-point margin takes at least {needed:,} items." if needed else ""
-        lines.append(f"No configuration is proven within {margin:g} points of full on {measure.label} after Holm's "
-                     f"adjustment across {count}; the closest, {closest.spec}, "
-                     f"{smaller_than_full(compression[closest.spec], layout)}, "
+        hint = (f" Proving a {margin:g}-point margin takes at least {needed:,} items."
+                if needed and paired.verdict == INCONCLUSIVE else "")
+        lines.append(f"No configuration is proven within {margin:g} points of full on {measure.label} across "
+                     f"{across}; the closest, {closest.spec}, {smaller_than_full(compression[closest.spec], layout)}, "
                      f"{paired.describe()} ({paired.interval_text()}).{hint}")
-    worse = sorted((p for p, j in judged if j.verdict == WORSE), key=lambda p: compression[p.spec])
-    if worse:
-        named = ", ".join(p.spec for p in worse[:4]) + (f" and {len(worse) - 4} more" if len(worse) > 4 else "")
-        lines.append(f"{len(worse)} {'are' if len(worse) > 1 else 'is'} worse than full (the interval of the "
-                     f"difference lies below zero and the exact test agrees): {named}.")
+    below = sorted((p for p, j in judged if j.verdict in BELOW_FULL), key=lambda p: compression[p.spec])
+    if below:
+        beyond = sum(p.paired.verdict == VERDICT_BEYOND for p in below)
+        named = ", ".join(p.spec for p in below[:4]) + (f" and {len(below) - 4} more" if len(below) > 4 else "")
+        lines.append(f"{len(below)} {'are' if len(below) > 1 else 'is'} proven below full, {beyond} of them beyond "
+                     f"the margin: {named}.")
     return lines
 
 
@@ -243,26 +300,45 @@ SCOPE_NOTES = {
 }
 
 
+def exploratory_note(report) -> str | None:
+    """What a reader must know when the verdicts are read at a margin other than the one fixed before the run."""
+    if report.margin == report.margin_fixed:
+        return None
+    return (f"Exploratory: the margin was fixed at {report.margin_fixed:g} points before this run; read at "
+            f"{report.margin:g}, after seeing the data, these verdicts do not hold their 2.5% (a margin chosen from "
+            f"the results can always be made to pass). Run again with --margin {report.margin:g} fixed in advance.")
+
+
 def judged_report(report, margin: float, threshold: float, layout: str = "counted"):
-    """A copy of ``report`` with every verdict read at ``margin`` points and the tail at ``threshold``, and memory
-    counted in ``layout``: paired comparisons per measure, frontiers, cliffs, the plan and the summary. Measuring
-    is not repeated, so the page re-reads a stored sweep at another margin or layout at once."""
+    """A copy of ``report`` with every verdict read at ``margin`` points (exploratory unless it is the margin fixed
+    before the run) and the tail at ``threshold``, and memory counted in ``layout``: paired comparisons per measure,
+    frontiers, cliffs, the plan and the summary. Measuring is not repeated, so the page re-reads a stored sweep at
+    another margin or layout at once."""
     if layout != "counted" and not any(p.layout_bytes for p in report.points):
         raise ValueError(f"this sweep kept no ledger to lay out in {LABELS.get(layout, layout)!r}: counted bytes only")
+    if not 0 < margin < 100:
+        raise ValueError(f"a margin of {margin:g} points is not a loss between 0 and 100")
     judged = copy.deepcopy(report)
     judged.layout = layout
     points, groups = judged.points, judged.groups
     fill_tail(points, threshold, groups)
     items = len(judged.items) if judged.items else 1
     judged.margin, judged.tail_threshold = margin, threshold
-    judged.plan = plan(items, margin) if judged.workload_kind != "text" else None
+    exploratory = margin != judged.margin_fixed
     for measure in (MEASURES[key] for key in judged.measure_keys):
-        for point, paired in zip(points, judge(points, measure, margin, threshold, groups), strict=True):
+        for point, paired in zip(points, judge(points, measure, margin, threshold, groups, exploratory), strict=True):
             if paired is not None:
                 point.paired_by_measure[measure.key] = paired
     main = MEASURES[judged.measure_keys[0]]
     for point in points:
         point.paired = point.paired_by_measure.get(main.key)
+    judged.plan = None
+    if judged.workload_kind != "text":
+        full = judged.full
+        accuracy = full.accuracy if full is not None and full.accuracy else None
+        families = len({p.family for p in points[1:] if p.paired is not None}) or 1
+        judged.plan = plan(judged.item_cap or items, margin, families, judged.item_cap is not None,
+                           accuracy if accuracy is not None else 1.0)
     judged.frontiers = {key: [p.spec for p, flag in zip(points, frontier_flags(points, MEASURES[key], threshold,
                                                                                  groups, layout), strict=True) if flag]
                         for key in judged.measure_keys}
@@ -271,8 +347,10 @@ def judged_report(report, margin: float, threshold: float, layout: str = "counte
     judged.cliffs = family_cliffs(judged, main.key)
     single = judged.workload_kind == "prompt" and items == 1
     scope = "On this prompt" if single else f"On {judged.workload}"
-    needed = judged.plan.items_for_margin if judged.plan else None
-    summary = recommendation(points, main, margin, scope, needed, layout)
+    needed = judged.plan.fewest_items if judged.plan and items < judged.plan.fewest_items else None
+    note = exploratory_note(judged)
+    summary = [note] if note else []
+    summary += recommendation(points, main, margin, scope, needed, layout)
     summary += [cliff.sentence() for cliff in judged.cliffs.values() if cliff is not None]
     if single:
         summary.append("One prompt is a single example, not a benchmark: nothing can be proven on it. Sweep a prompt "
@@ -281,4 +359,3 @@ def judged_report(report, margin: float, threshold: float, layout: str = "counte
         summary.append(SCOPE_NOTES[judged.workload_kind])
     judged.summary = summary
     return judged
-

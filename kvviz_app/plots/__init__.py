@@ -35,9 +35,17 @@ from kvviz_app.plots.studies import (
     tail_contrast_figure,
     tail_heatmap,
 )
-from kvviz_app.plots.tradeoffs import budget_label, outcome_cells, outcome_grid, prompt_outcomes, tradeoff_figure
+from kvviz_app.plots.tradeoffs import (
+    allocation_figure,
+    budget_label,
+    outcome_cells,
+    outcome_grid,
+    prompt_outcomes,
+    tradeoff_figure,
+)
 
 __all__ = [
+    "allocation_figure",
     "BLOCK_COLORS",
     "HEATMAP_MAX",
     "MiB",

@@ -1,6 +1,7 @@
 """The Trade-offs page's figures: quality against compression with each point's interval and its verdict against
-full, the frontier and each family's cliff; and, for task items, one outcome grid per family (items x budgets: both
-right, lost with its cause, gained, both wrong)."""
+full, the frontier and each family's cliff; the items each point used and why it stopped; and, for task items, one
+outcome grid per family (items x budgets: both right, lost with its cause, gained, both wrong, blank where the point
+had stopped)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import plotly.graph_objects as go
 
 from kvviz.cache.layouts import LABELS
 from kvviz.studies.frontier import MEASURES
-from kvviz.studies.paired import INCONCLUSIVE, WITHIN, WORSE
+from kvviz.studies.paired import INCONCLUSIVE, VERDICT_BEYOND, VERDICT_WITHIN, VERDICT_WORSE
 from kvviz.studies.sweep import SweepPoint, SweepReport
 from kvviz.studies.verdicts import compression_of, family_cliffs
 
@@ -21,9 +22,17 @@ OUTCOME_LABELS = {"both_right": "right where full is right", "evicted": "lost: a
                   "quantization": "lost: nothing planted evicted, the stack quantizes",
                   "not evicted": "lost: every planted span stayed", "gained": "gained: right where full is wrong",
                   "both_wrong": "wrong where full is wrong"}
-VERDICT_SYMBOLS = {WITHIN: "circle", INCONCLUSIVE: "circle-open", WORSE: "x"}
-VERDICT_LEGEND = {WITHIN: "proven within the margin of full", INCONCLUSIVE: "inconclusive: could hide a larger loss",
-                  WORSE: "worse than full", "cliff": "cliff: a family's most compressed point proven within the margin"}
+VERDICT_SYMBOLS = {VERDICT_WITHIN: "circle", INCONCLUSIVE: "circle-open", VERDICT_WORSE: "x-open", VERDICT_BEYOND: "x"}
+VERDICT_LEGEND = {VERDICT_WITHIN: "proven within the margin of full",
+                  INCONCLUSIVE: "inconclusive: could hide a larger loss",
+                  VERDICT_WORSE: "worse than full, within the margin unproven",
+                  VERDICT_BEYOND: "beyond the margin: loses more than it",
+                  "cliff": "cliff: a family's most compressed point proven within the margin"}
+STOP_COLORS = {"within": "#2e7d32", "beyond": "#c62828", "worse": "#ef6c00", "cap": "#9e9e9e", "error": "#6a1b9a",
+               None: "#424242"}
+STOP_LABELS = {"within": "stopped: proven within the margin", "beyond": "stopped: proven beyond the margin",
+               "worse": "stopped: proven worse than full", "cap": "undecided when the run ended",
+               "error": "stopped: failed", None: "full (every item any point used)"}
 
 
 def budget_label(point: SweepPoint) -> str:
@@ -125,15 +134,38 @@ def _hover(point: SweepPoint, measure_key: str, margin: float, layout: str = "co
         lines.insert(2, f"{LABELS[layout]}: {x:.2f}x smaller · {point.layout_bytes[layout]:,} B")
     if point.items_scored:
         lines.append(f"{point.items_scored} scored")
+    if point.stopped is not None:
+        lines.append(f"stopped after {point.items_used} items (look {point.stopped_at_look}): {point.stopped}")
     paired = point.paired_by_measure.get(measure_key)
     if paired is not None:
-        against = f"lost {paired.lost}, gained {paired.gained}" if paired.p_value is not None else \
-            f"{paired.lost} below full"
-        lines += [f"vs full: {against}; difference {paired.interval_text()}",
-                  f"verdict at {margin:g} points: {paired.verdict} ({paired.describe()})"]
-        if paired.p_value is not None:
-            lines.append(f"McNemar p {paired.p_value:.3g} (Holm {paired.p_adjusted:.3g})")
+        lines += [f"vs full: lost {paired.lost}, gained {paired.gained}; difference {paired.interval_text()}",
+                  f"verdict at {margin:g} points: {paired.verdict} ({paired.describe()})",
+                  f"adjusted p: within {paired.margin_p_adjusted:.3g}, beyond {paired.beyond_p_adjusted:.3g}, "
+                  f"below full {paired.p_adjusted:.3g}"]
     return "<br>".join(lines)
+
+
+def allocation_figure(report: SweepReport) -> go.Figure:
+    """The items each point used, one bar per point (full first, then each family least compressed first),
+    coloured by why it stopped taking items: decided (within, beyond, worse) or still open when the run ended."""
+    points = [p for p in report.points if p.items_used]
+    figure = go.Figure()
+    for reason in STOP_COLORS:
+        chosen = [p for p in points if p.stopped == reason]
+        if not chosen:
+            continue
+        figure.add_trace(go.Bar(
+            y=[p.spec for p in chosen], x=[p.items_used for p in chosen], orientation="h",
+            name=STOP_LABELS[reason], marker_color=STOP_COLORS[reason],
+            text=[f"{p.items_used}" + ("" if p.stopped_at_look is None else f" · look {p.stopped_at_look}")
+                  for p in chosen], textposition="auto",
+            hovertext=[f"<b>{p.spec}</b><br>{p.items_used} items<br>{STOP_LABELS[reason]}" for p in chosen],
+            hoverinfo="text"))
+    figure.update_yaxes(categoryorder="array", categoryarray=[p.spec for p in reversed(points)], title=None)
+    figure.update_xaxes(title="items used")
+    figure.update_layout(title="Items each point used, and why it stopped", barmode="overlay",
+                         height=max(260, 26 * len(points) + 120), legend={"orientation": "h", "y": -0.2})
+    return figure
 
 
 def outcome_cells(report: SweepReport, family: str) -> pd.DataFrame:
@@ -184,7 +216,7 @@ def outcome_grid(cells: pd.DataFrame, family: str) -> go.Figure:
     figure.update_yaxes(autorange="reversed", title="item (task:length:depth:trial)", type="category")
     figure.update_xaxes(title="budget · compression", type="category", side="top")
     figure.update_layout(title=f"{family}: every item at every budget, against full",
-                         height=max(320, 22 * len(items) + 160),
+                         height=max(320, max(6, min(22, 1400 // max(1, len(items)))) * len(items) + 160),
                          legend={"orientation": "h", "y": -0.08}, margin={"t": 110})
     return figure
 

@@ -20,7 +20,7 @@ from kvviz.methods import REGISTRY, Sizing, SpecError
 from kvviz.planning.memory import model_card
 from kvviz.studies.perplexity import play_text, streaming_perplexities, streaming_perplexity
 from kvviz.studies.sweep import DEFAULT_BUDGETS, DEFAULT_FAMILIES, plan, run_sweep
-from kvviz.studies.tail_items import NEW_TOKENS, spread_items
+from kvviz.studies.tail_items import NEW_TOKENS, stream_items
 from kvviz.studies.workloads import TaskWorkload, TextWorkload
 
 TASK = "needle"
@@ -51,7 +51,7 @@ def sweep(run: BenchRun) -> Section:
 def _task(run: BenchRun, section: Section, families: list[str]) -> None:
     loaded, sizes = run.loaded, run.sizes
     workload = TaskWorkload(TASK, sizes.sweep_task_length, sizes.sweep_items)
-    items = spread_items(loaded.tokenizer, TASK, workload.length, workload.items)
+    items = stream_items(loaded.tokenizer, TASK, workload.length, range(workload.items))
     sample = items[:: max(1, len(items) // sizes.sweep_sample_items)][: sizes.sweep_sample_items]
     run.log(f"  task sweep: {len(families)} families on {workload.describe()}")
 

@@ -75,7 +75,7 @@ def _measure(run: BenchRun, section: Section, workload: TaskWorkload, config: Cl
         seconds, reports["here"] = timed(loaded.device, lambda: run_sweep(loaded, workload, list(FAMILIES)))
         here_seconds.append(seconds)
         seconds, reports["ray"] = timed(loaded.device, lambda: run_sweep(
-            loaded, workload, list(FAMILIES), rows=sharded_rows(config, source, workload, None)))
+            loaded, workload, list(FAMILIES), source=sharded_rows(config, source, workload, None)))
         ray_seconds.append(seconds)
     here, on_ray = Spread(here_seconds), Spread(ray_seconds)
     shard_run = reports["ray"].shard_run
