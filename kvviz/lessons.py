@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
-from kvviz.engine.session import encode_prompt
+from kvviz.comparison.session import encode_prompt
 from kvviz.planning.memory import model_card
 from kvviz.runs import AttentionRequest, CompareRequest, RunRequest
 from kvviz.runtime.models import LoadedModel

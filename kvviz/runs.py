@@ -25,8 +25,8 @@ from typing import Any, ClassVar, TypeVar
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.cache.stats import AttentionStats
-from kvviz.engine.results import Comparison
-from kvviz.engine.session import PromptSession, compare_job
+from kvviz.comparison.results import Comparison
+from kvviz.comparison.session import PromptSession, compare_job
 from kvviz.planning.memory import model_card
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.cluster import ClusterConfig, ModelSource
@@ -238,7 +238,7 @@ class SweepRequest(RunRequest):
     def job(self, loaded: LoadedModel) -> Job[SweepReport]:
         """The sweep runs as a client of the engine, off the model: a thread of its own plans it, waits for its
         measurements and judges them, holding no place in the engine meanwhile. In this process each wave of a
-        round's items is a job of its own (:func:`kvviz.engine.batched.decode_prompts`), admitted beside other
+        round's items is a job of its own (:func:`kvviz.comparison.batched.decode_prompts`), admitted beside other
         users' runs as the admission policy says; on a cluster the shards run on Ray workers and nothing waits here
         but the thread."""
         check_sweep(list(self.specs), list(self.budgets), self.workload)

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from kvviz.engine.session import compare, compare_job
+from kvviz.comparison.session import compare, compare_job
 from kvviz.runs import AttentionRequest, CompareRequest, ContextCostRequest
 from kvviz.runtime.admission import ONE_AT_A_TIME, RunSize
 from kvviz.runtime.engine import Engine

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from streamlit.testing.v1 import AppTest
 
-import kvviz.engine.session
+import kvviz.comparison.session
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = "Name one planet."
@@ -78,7 +78,7 @@ def test_a_crash_inside_one_method_leaves_the_others_standing(monkeypatch):
 
 
 def test_out_of_memory_names_the_setting_and_the_next_run_works(monkeypatch):
-    original = kvviz.engine.session.compare
+    original = kvviz.comparison.session.compare
     calls = {"n": 0}
 
     def once_out_of_memory(*args, **kwargs):

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvviz.engine.session import compare
+from kvviz.comparison.session import compare
 from kvviz.lessons import NEEDLE_CODE, RUNS, is_filler_token, span_of, step_requests
 from kvviz.runs import CompareRequest
 

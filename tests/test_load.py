@@ -13,8 +13,8 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from kvviz.engine.results import MethodResult
-from kvviz.engine.session import compare, encode_prompt
+from kvviz.comparison.results import MethodResult
+from kvviz.comparison.session import compare, encode_prompt
 from kvviz.planning.classroom import ClassRun, percentile, project_class
 from kvviz.runtime.admission import ONE_AT_A_TIME, RunSize
 from kvviz.runtime.engine import Engine

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from kvviz.cache.capture import CaptureConfig
-from kvviz.engine.session import PromptSession, compare
+from kvviz.comparison.session import PromptSession, compare
 from kvviz.runtime.prefill import prefill_together, prefill_with_prefix, reusable_tokens
 from kvviz.runtime.prefix import PrefixCache, block_hashes
 

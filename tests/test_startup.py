@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvviz.engine import startup
+from kvviz.comparison import startup
 from kvviz.methods.kvpress import catalog
 from kvviz.runtime.models import DEFAULT_MODEL, load_model, ready
 
@@ -69,7 +69,8 @@ def test_the_app_entry_starts_the_server_and_the_pages_only_read_settings():
 
 
 def test_streamlits_full_collection_after_every_rerun_is_off_in_the_served_config(monkeypatch):
-    """It walked 0.55 M objects (0.4 s) after each rerun once torch and a model were loaded (kvviz/engine/startup.py);
+    """It walked 0.55 M objects (0.4 s) after each rerun once torch and a model were loaded
+    (kvviz/comparison/startup.py);
     a plain `streamlit run app.py` reads .streamlit/config.toml from the folder it starts in."""
     from streamlit import config
 

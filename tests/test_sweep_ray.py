@@ -148,7 +148,7 @@ def test_a_second_users_comparison_beside_a_ray_sweep_takes_about_what_it_takes_
     its time alone (before, the sweep held the model for its whole length and the student waited for all of it)."""
     import statistics
 
-    from kvviz.engine.session import encode_prompt
+    from kvviz.comparison.session import encode_prompt
     from kvviz.runs import CompareRequest, SweepRequest
     from kvviz.runtime.jobs import Status
 

@@ -2,7 +2,7 @@
 and kvviz.runtime.together): one forward per step for every run's rows, runs joining and leaving mid-batch, each
 run's result equal to the same run alone, token for token."""
 
-from kvviz.engine.session import PromptSession, compare, compare_job
+from kvviz.comparison.session import PromptSession, compare, compare_job
 from kvviz.methods import parse_spec
 from kvviz.methods.window import Window
 from kvviz.runtime import prefill

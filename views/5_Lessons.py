@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pandas as pd
 import streamlit as st
 
-from kvviz.engine.results import Comparison, MethodResult
+from kvviz.comparison.results import Comparison, MethodResult
 from kvviz.lessons import NEEDLE_CODE, RUNS, SINKS, LessonRun, attention_request, axes_run, is_filler_token, span_of
 from kvviz.planning.memory import ModelCard, model_card
 from kvviz.runtime.models import LoadedModel

@@ -286,7 +286,7 @@ def ready(name: str, model: torch.nn.Module, tokenizer, device: str, dtype: torc
     """A model on its device made ready for kvviz, whatever built it (:func:`load_model`, the bench's random-weight
     models): the model in eval mode with kvviz's attention, and on a CPU its linear layers padding rows to
     batch-independent counts (:mod:`kvviz.runtime.invariance`). Nothing outside the model changes: process settings
-    are the entry point's (:mod:`kvviz.engine.startup`)."""
+    are the entry point's (:mod:`kvviz.comparison.startup`)."""
     model.eval()
     install_attention(model)
     return LoadedModel(name=name, model=model, tokenizer=tokenizer, device=device, dtype=dtype, weights=weights,

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from kvviz.cache.ledger import KEPT, EvictionLedger
-from kvviz.engine.session import PromptError, PromptSession, capture_for
+from kvviz.comparison.session import PromptError, PromptSession, capture_for
 from kvviz.methods import MethodStack, parse_spec
 from kvviz.runtime.admission import ALONE
 from kvviz.runtime.jobs import Job, Stage, Steps, Turn

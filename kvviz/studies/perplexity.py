@@ -19,7 +19,7 @@ import torch
 
 from kvviz.cache.kvcache import KVCache
 from kvviz.cache.protocol import Decode
-from kvviz.engine.session import PromptSession, check_context
+from kvviz.comparison.session import PromptSession, check_context
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.runtime.admission import ALONE
 from kvviz.runtime.batch import forward_rows

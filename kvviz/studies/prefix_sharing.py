@@ -9,8 +9,8 @@ same tokens for every question by construction, so it can.
 For each method and mode this measures, per layer, the Jaccard overlap of the preamble tokens kept for question A
 and for question B (mean over KV heads), and the quality cost of answering B from the preamble compressed for A,
 next to answering B from its own: both teacher-forced on the full cache's answer to B (agreement and KL,
-:mod:`kvviz.engine.metrics`). Both answers start from the same construction, the dense preamble cut to a kept set with
-B's tokens fed after it, so the only difference is whose kept set it is.
+:mod:`kvviz.comparison.metrics`). Both answers start from the same construction, the dense preamble cut to a kept set
+with B's tokens fed after it, so the only difference is whose kept set it is.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import torch
 
 from kvviz.cache.kvcache import KVCache
 from kvviz.cache.storage import gather_tokens
-from kvviz.engine.metrics import forced_comparison
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.metrics import forced_comparison
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import MethodStack, parse_spec
 from kvviz.runtime.admission import ALONE
 from kvviz.runtime.jobs import Job, Stage, Steps, Turn

@@ -22,9 +22,9 @@ from typing import ClassVar
 import numpy as np
 
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
-from kvviz.engine.batched import decode_prompts
-from kvviz.engine.results import MethodResult
-from kvviz.engine.session import BOTH, FORCED, FREE
+from kvviz.comparison.batched import decode_prompts
+from kvviz.comparison.results import MethodResult
+from kvviz.comparison.session import BOTH, FORCED, FREE
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress

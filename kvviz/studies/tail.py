@@ -28,7 +28,7 @@ import functools
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvviz.engine.session import PromptError, PromptSession, capture_for, reference_first
+from kvviz.comparison.session import PromptError, PromptSession, capture_for, reference_first
 from kvviz.methods import MethodStack, parse_spec
 from kvviz.runtime.admission import ALONE
 from kvviz.runtime.jobs import Job, Stage, Steps, Turn

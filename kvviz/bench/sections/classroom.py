@@ -24,7 +24,7 @@ import torch
 from kvviz.bench.harness import BenchRun, Section, bench_section, interleaved, timed
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.engine.session import encode_prompt
+from kvviz.comparison.session import encode_prompt
 from kvviz.lessons import step_requests
 from kvviz.planning.classroom import ClassRun, ClassWait, percentile, project_class
 from kvviz.runs import CompareRequest, RunRequest

@@ -1,8 +1,8 @@
 """Which kvpress presses kvviz offers by name: every press kvpress exports, plus the server's own.
 
 The server's own presses are dotted paths the entry points pass in (:func:`configure_presses`, called with the
-deployment settings by :func:`kvviz.engine.startup.apply_settings`): nothing here reads the environment, so a test or
-a script says which presses it offers by calling the same function. A path that cannot be loaded costs
+deployment settings by :func:`kvviz.comparison.startup.apply_settings`): nothing here reads the environment, so a test
+or a script says which presses it offers by calling the same function. A path that cannot be loaded costs
 only itself: every other press stays available and the problem is one line (``kvviz config`` refuses it).
 """
 

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvviz.engine.results import MethodResult
-from kvviz.engine.session import (
+from kvviz.comparison.results import MethodResult
+from kvviz.comparison.session import (
     BOTH,
     FORCED,
     PromptSession,
@@ -80,7 +80,7 @@ def decode_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], specs:
                    ) -> list[list[MethodResult]]:
     """Every SPEC on every prompt (``full`` first, added if missing): per prompt, one result per configuration.
 
-    ``mode`` says how the rows after full decode (:data:`kvviz.engine.session.FREE`, ``FORCED`` or ``BOTH``).
+    ``mode`` says how the rows after full decode (:data:`kvviz.comparison.session.FREE`, ``FORCED`` or ``BOTH``).
     Prompts are prefilled fresh unless ``reuse_prefix``: a block the model's prefix cache kept from another run may
     have been computed under another attention path (explicit where a capture listened, SDPA elsewhere), which
     moves the last bits and, near a tie, a greedy token; a sweep's results must not depend on what ran before.

@@ -23,9 +23,9 @@ from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.protect import protected_positions
 from kvviz.cache.rotation import rope_rotator
 from kvviz.cache.stats import AttentionStats, StatsRecorder
-from kvviz.engine.diagnostics import quantization_report
-from kvviz.engine.metrics import forced_comparison
-from kvviz.engine.results import Comparison, MethodResult
+from kvviz.comparison.diagnostics import quantization_report
+from kvviz.comparison.metrics import forced_comparison
+from kvviz.comparison.results import Comparison, MethodResult
 from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.admission import RunSize
@@ -224,7 +224,7 @@ def compare(
     """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
 
     Each method's text is its own free-running output; its agreement, KL and first divergence are teacher-forced on
-    full's tokens (:mod:`kvviz.engine.metrics`). A method whose free-running tokens equal full's needs no
+    full's tokens (:mod:`kvviz.comparison.metrics`). A method whose free-running tokens equal full's needs no
     teacher-forced decode: it would feed the method exactly the inputs it already saw. A method that fails is reported
     with its error while the others still complete.
 
