@@ -30,7 +30,7 @@ from kvviz.comparison.session import PromptSession, compare_job
 from kvviz.planning.memory import model_card
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.cluster import ClusterConfig, ModelSource
-from kvviz.runtime.jobs import Elsewhere, Job, Stage, Steps
+from kvviz.runtime.jobs import Elsewhere, Handle, Job, Stage, Steps
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 from kvviz.runtime.settings import results_folder
@@ -70,9 +70,14 @@ class RunRequest:
         (its size, which the engine's admission weighs). Bad inputs raise here, before any model work."""
         raise NotImplementedError
 
+    def submit(self, loaded: LoadedModel, user: str | None = None) -> Handle:
+        """The request's job submitted to the model's engine: the handle a notebook (or any client that does not
+        wait at once) holds, with its status, progress, ``cancel()`` and ``result()``."""
+        return loaded.engine.submit(self.job(loaded), user)
+
     def run(self, loaded: LoadedModel, progress: Progress | None = None) -> Any:
         """The request's job submitted to the model's engine, and its result waited for (the command line and the
-        bench; a page submits the job itself and polls its handle)."""
+        bench; a page submits the job itself and follows its handle)."""
         return loaded.engine.run(self.job(loaded), progress)
 
 

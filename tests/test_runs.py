@@ -117,3 +117,19 @@ def test_attention_request_reports_each_layer_as_its_prefill_passes_it(tiny_mode
         tiny_model, lambda fraction, message: reports.append((fraction, message)))
     assert reports == [(0.5, "layer 1 of 2"), (1.0, "layer 2 of 2")]
     assert stats.sink_mass[1].shape[-1] == 40
+
+
+def test_a_notebook_holds_the_same_handle_as_the_app_and_takes_no_lock(tiny_model, story_ids):
+    from kvviz.runtime.jobs import Cancelled, Status
+
+    request = CompareRequest(tuple(story_ids[:30]), ("full", "window:window=8"), 3)
+    handle = request.submit(tiny_model)
+    assert handle.status in (Status.WAITING, Status.RUNNING, Status.DONE)
+    comparison = handle.result(120)
+    assert handle.status is Status.DONE and handle.fraction == 1.0
+    assert [r.method for r in comparison.results] == ["full", "window:window=8"]
+    long = CompareRequest(tuple(story_ids[:30]), ("full", "window:window=8"), 200).submit(tiny_model)
+    long.cancel()
+    with pytest.raises(Cancelled):
+        long.result(60)
+    assert long.status is Status.CANCELLED
