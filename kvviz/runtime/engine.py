@@ -300,12 +300,12 @@ class Engine:
             for (run, index), outcome in zip(chosen, outcomes, strict=True):
                 run.prefilled[index] = outcome
             self.prefills += 1
-            self.shared_prefills += len({id(run) for run, _ in chosen}) > 1
+            self.shared_prefills += int(len({id(run) for run, _ in chosen}) > 1)
         decoding = [run for run in self._running if isinstance(run.asked, Decode)
                     and not all(group.finished for group in run.asked.groups)]
         if decoding:
             self._step([group for run in decoding for group in run.asked.groups if not group.finished])
-            self.shared_forwards += len(decoding) > 1
+            self.shared_forwards += int(len(decoding) > 1)
 
     def _update(self) -> None:
         """Runs whose prefill or decode is done are ready for their next steps (a failure raised in them)."""
