@@ -18,6 +18,7 @@ from kvviz.runs import ResultStore  # noqa: E402
 from kvviz.runtime.cluster import ClusterConfig, ClusterError, ModelSource, WorkerPool, connect, disconnect  # noqa: E402
 from kvviz.runtime.models import load_model  # noqa: E402
 from kvviz.studies.sweep import run_sweep  # noqa: E402
+from kvviz.studies.sweep_measure import unit_order  # noqa: E402
 from kvviz.studies.sweep_ray import WORKER_POOLS, sharded_rows  # noqa: E402
 from kvviz.studies.workloads import PromptCase, PromptWorkload  # noqa: E402
 
@@ -73,7 +74,7 @@ def test_a_ray_sweep_reports_what_the_process_does_and_resumes_from_stored_shard
     assert (sharded["workers"], sharded["shards"], sharded["shards_reused"]) == (2, 4, 0)
     assert len(sharded["shard_seconds"]) == 4 and all(s > 0 for s in sharded["shard_seconds"])
     assert without_timing(sharded) == without_timing(here)  # every point, every prompt's outcome
-    assert [o["item"] for o in sharded["points"][1]["outcomes"]] == ["p0.txt", "p1.txt", "p2.txt", "p3.txt"]
+    assert sorted(o["item"] for o in sharded["points"][1]["outcomes"]) == ["p0.txt", "p1.txt", "p2.txt", "p3.txt"]
 
     shard_files = sorted((tmp_path / "store" / "sweep_shard").glob("*.pkl"))
     assert len(shard_files) == 4  # each shard stored as it finished
@@ -105,9 +106,10 @@ def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(clust
     assert WORKER_POOLS.kept() == [pool], "the sweep ran on the kept workers and kept them again"
     assert killed and set(pool.pids()).isdisjoint(first)  # Ray restarted both workers
     assert report.shard_run.shards == 6 and report.shard_run.shards_reused == 0
-    assert [item["id"] for item in report.items] == [f"p{i}" for i in range(6)]
+    order = [f"p{unit[0]}" for unit in unit_order(workload)]  # the prompts in the order the sweep uses them
+    assert sorted(order) == [f"p{i}" for i in range(6)] and [item["id"] for item in report.items] == order
     for point in report.points:
-        assert [o.item for o in point.outcomes] == [f"p{i}" for i in range(6)]
+        assert [o.item for o in point.outcomes] == order
     here = run_sweep(loaded, workload, SPECS, BUDGETS)
     assert without_timing(report.to_json()) == without_timing(here.to_json())
 

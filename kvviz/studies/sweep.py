@@ -308,7 +308,8 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     """Measure every family at every budget on ``workload`` (full first, the reference) and judge every point
     against full at ``margin`` points, fixed now: frontiers, cliffs, the recommendation. A fixed design measures
     every item once; ``adaptive`` runs in rounds and stops each point once it is decided. ``source`` measures
-    elsewhere (shards on a cluster); by default this process measures, keeping each round in ``store``. ValueError
+    elsewhere (shards on a cluster); by default this process measures, keeping an adaptive sweep's rounds in
+    ``store`` (a larger cap later continues them). ValueError
     (SpecError, PromptError included) for bad arguments, before any model work. Layouts page in blocks of
     ``block_size`` token slots (``source`` measures with the same)."""
     check_sweep(list(specs), list(budgets), workload)
@@ -327,8 +328,9 @@ def run_sweep(loaded: LoadedModel, workload: Workload, specs: list[str], budgets
     planned = [(full, None, "full"), *planned]
     points = [SweepPoint(spec, family.spec, family.kind, share) for family, share, spec in planned]
     main = workload.measures[0]
-    rows, rounds = measure_in_rounds(workload, points, source or in_process(loaded, workload, block_size, store),
-                                     main.key, tail_threshold, margin, adaptive, progress)
+    here = in_process(loaded, workload, block_size, store if adaptive is not None else None)  # rounds to continue
+    rows, rounds = measure_in_rounds(workload, points, source or here, main.key, tail_threshold, margin, adaptive,
+                                     progress)
     measured: Measured = fill_points(workload, points, rows)
     for point, allocated in zip(points, rounds.allocation, strict=True):
         point.items_used, point.stopped, point.stopped_at_look = (allocated.items_used, allocated.stopped,

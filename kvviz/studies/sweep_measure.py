@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -33,9 +33,6 @@ from kvviz.studies.perplexity import play_text, streaming_perplexities
 from kvviz.studies.tail_attribution import failure_cause, span_fates
 from kvviz.studies.tail_items import NEW_TOKENS, stream_items
 from kvviz.studies.workloads import PromptWorkload, TaskWorkload, TextWorkload, Workload, answer_found
-
-if TYPE_CHECKING:  # the report's points, which import this module
-    from kvviz.studies.sweep import SweepPoint
 
 
 @dataclass
@@ -161,9 +158,10 @@ def measure_rows(loaded: LoadedModel, workload: Workload, specs: list[str], indi
     return MEASURING[workload.kind].rows(loaded, workload, specs, list(chosen), progress, block_size)
 
 
-def fill_points(workload: Workload, points: Sequence[SweepPoint], rows: Rows) -> Measured:
-    """The points filled from the records of every item of ``workload``, and what the report needs besides. The one
-    place a point's measures are written: each workload kind computes a :class:`Measures` record per point."""
+def fill_points(workload: Workload, points: Sequence, rows: Rows) -> Measured:
+    """The points (:class:`kvviz.studies.sweep.SweepPoint`, which imports this module) filled from the records of
+    every item of ``workload``, and what the report needs besides. The one place a point's measures are written:
+    each workload kind computes a :class:`Measures` record per point."""
     measures, measured = MEASURING[workload.kind].measure(workload, rows)
     for point, found in zip(points, measures, strict=True):
         for name in MEASURE_FIELDS:
