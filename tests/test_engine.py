@@ -40,9 +40,9 @@ def test_every_forward_of_submitted_runs_runs_on_the_engines_thread(tiny_model, 
 
 def test_a_comparison_is_one_submit_whose_states_the_engine_advances(tiny_model, story_ids):
     """compare() submits one job; its steps ask for the shared prefill, then fork, decode in the batch and score."""
-    before = tiny_model.engine.submitted
+    before = len(tiny_model.engine.history)
     compare(tiny_model, story_ids[:30], ["window:window=8"], 3)
-    assert tiny_model.engine.submitted - before == 1
+    assert len(tiny_model.engine.history) - before == 1, "one run"
 
     steps = compare_job(tiny_model, story_ids[:30], ["window:window=8"], 3).start(lambda fraction, message: None)
     asked = next(steps)
@@ -94,7 +94,7 @@ def test_an_idle_engines_thread_ends_and_the_next_work_starts_another(tiny_model
     first.join(5)
     assert not first.is_alive(), "idle: the thread ended"
     second = engine.run(Job(this_thread, RunSize()))
-    assert second is not first and second.name == "kvviz-engine" and engine.threads_started == 2
+    assert second is not first and second.name == "kvviz-engine"
 
 
 def test_a_run_waiting_elsewhere_holds_no_place_and_what_it_submits_is_its_users(tiny_model, story_ids):

@@ -90,9 +90,6 @@ class Engine:
         self._numbers = itertools.count(1)
         self._thread: threading.Thread | None = None
         self.history: deque[FinishedRun] = deque(maxlen=HISTORY)
-        self.submitted = 0  # jobs submitted so far
-        self.threads_started = 0  # engine threads started so far (one per busy spell)
-        self.most_at_once = 0  # the most runs admitted at once
         self.forwards = self.shared_forwards = 0  # decode forwards, and those that fed more than one run
         self.prefills = self.shared_prefills = 0  # shared-prefill forwards, and those that fed more than one run
         self.seconds = 0.0  # wall seconds in decode steps (the bench splits a class's time with it)
@@ -121,7 +118,6 @@ class Engine:
                 self._runs[handle] = _Run(handle)
                 self._line.add(handle)
                 handles.append(handle)
-            self.submitted += len(handles)
             self._start()
         return handles
 
@@ -158,7 +154,6 @@ class Engine:
         """Start the engine's thread if none runs, else tell it there is work (hold ``_lock``)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="kvviz-engine", daemon=True)
-            self.threads_started += 1
             self._thread.start()
         self._lock.notify_all()
 
@@ -206,7 +201,6 @@ class Engine:
             handle.status, handle.started_at = Status.RUNNING, handle.started_at or now
             self._running.append(run)
             busy.add(handle.user)
-        self.most_at_once = max(self.most_at_once, len(self._running))
         return stopped
 
     def _admits(self, handle: Handle) -> bool:
