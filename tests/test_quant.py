@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from kvviz.cache.quant import (
-    dequantize_per_channel,
-    dequantize_per_token,
+    channel_groups,
+    decode,
     error_bound,
     minmax_params,
     pack,
@@ -33,10 +33,10 @@ def test_pack_refuses_widths_that_do_not_divide_a_byte():
 def test_per_channel_error_stays_within_half_a_step(bits):
     torch.manual_seed(0)
     x = torch.randn(1, 2, 32, 20) * torch.linspace(0.1, 8, 20)  # channels of very different ranges
-    q = quantize_per_channel(x, bits, group=8)
+    q, restored = quantize_per_channel(x, bits, group=8, dtype=x.dtype)
     assert q.scale.shape == (1, 2, 4, 20) and q.scale.dtype == torch.float16
-    groups = (torch.arange(32) // 8).expand(1, 2, 32)
-    restored = dequantize_per_channel(q, bits, 20, groups, x.dtype)
+    scale, zero = (t.repeat_interleave(8, dim=2) for t in (q.scale, q.zero))
+    assert torch.equal(restored, decode(unpack(q.codes, bits, 20), scale, zero, x.dtype)), "what the packed codes say"
     bound = error_bound(q.scale, q.zero, bits).repeat_interleave(8, dim=2)
     assert bool(((restored - x).abs() <= bound).all())
 
@@ -45,9 +45,10 @@ def test_per_channel_error_stays_within_half_a_step(bits):
 def test_per_token_error_stays_within_half_a_step_with_a_short_last_group(bits):
     torch.manual_seed(1)
     x = torch.randn(1, 2, 7, 20)
-    q = quantize_per_token(x, bits, group=8)
+    q, restored = quantize_per_token(x, bits, group=8, dtype=x.dtype)
     assert q.scale.shape == (1, 2, 7, 3)  # channel groups 8 + 8 + 4
-    restored = dequantize_per_token(q, bits, 20, 8, x.dtype)
+    groups = channel_groups(20, 8)
+    assert torch.equal(restored, decode(unpack(q.codes, bits, 20), q.scale[..., groups], q.zero[..., groups], x.dtype))
     bound = error_bound(q.scale, q.zero, bits)[..., torch.arange(20) // 8]
     assert bool(((restored - x).abs() <= bound).all())
 
@@ -56,7 +57,7 @@ def test_per_token_error_stays_within_half_a_step_with_a_short_last_group(bits):
 def test_per_token_groups_take_each_groups_own_minimum_and_maximum(dim, group):
     torch.manual_seed(2)
     x = torch.randn(1, 3, 5, dim)
-    q = quantize_per_token(x, 2, group)
+    q, _ = quantize_per_token(x, 2, group)
     width = min(group, dim)
     for number, start in enumerate(range(0, dim, width)):
         lo, hi = x[..., start:start + width].amin(-1), x[..., start:start + width].amax(-1)
@@ -66,6 +67,5 @@ def test_per_token_groups_take_each_groups_own_minimum_and_maximum(dim, group):
 
 def test_constant_groups_decode_exactly():
     x = torch.full((1, 1, 8, 4), 0.5)
-    q = quantize_per_channel(x, 2, group=8)
-    restored = dequantize_per_channel(q, 2, 4, torch.zeros(1, 1, 8, dtype=torch.long), x.dtype)
+    _, restored = quantize_per_channel(x, 2, group=8, dtype=x.dtype)
     assert torch.equal(restored, x)

@@ -83,8 +83,10 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: 
     return (codes.float() * scale.float() + zero.float()).to(dtype)
 
 
-def quantize_per_channel(x: torch.Tensor, bits: int, group: int) -> Quantized:
-    """KIVI's key layout: each channel quantized over groups of ``group`` consecutive tokens.
+def quantize_per_channel(x: torch.Tensor, bits: int, group: int,
+                         dtype: torch.dtype | None = None) -> tuple[Quantized, torch.Tensor | None]:
+    """KIVI's key layout: each channel quantized over groups of ``group`` consecutive tokens, and (with ``dtype``) the
+    values a reader gets back, decoded from the codes before they are packed (no unpacking, no gathering of scales).
 
     ``x`` [B, H, T, D] with T a multiple of ``group``; scale and zero are [B, H, T // group, D].
     """
@@ -93,16 +95,9 @@ def quantize_per_channel(x: torch.Tensor, bits: int, group: int) -> Quantized:
         raise ValueError(f"per-channel quantization needs whole groups: {length} tokens, group {group}")
     grouped = x.reshape(batch, heads, length // group, group, dim)
     scale, zero = minmax_params(grouped.amin(dim=3), grouped.amax(dim=3), bits)
-    codes = encode(grouped, scale.unsqueeze(3), zero.unsqueeze(3), bits).reshape(batch, heads, length, dim)
-    return Quantized(pack(codes, bits), scale, zero)
-
-
-def dequantize_per_channel(q: Quantized, bits: int, dim: int, group_of_slot: torch.Tensor,
-                           dtype: torch.dtype) -> torch.Tensor:
-    """Decode per-channel codes; ``group_of_slot`` [B, H, T] names each token's group (rows of scale/zero)."""
-    codes = unpack(q.codes, bits, dim)
-    index = group_of_slot.unsqueeze(-1).expand(*group_of_slot.shape, dim)
-    return decode(codes, q.scale.gather(2, index), q.zero.gather(2, index), dtype)
+    codes = encode(grouped, scale.unsqueeze(3), zero.unsqueeze(3), bits)
+    restored = None if dtype is None else decode(codes, scale.unsqueeze(3), zero.unsqueeze(3), dtype).reshape(x.shape)
+    return Quantized(pack(codes.reshape(x.shape), bits), scale, zero), restored
 
 
 def channel_groups(dim: int, group: int) -> torch.Tensor:
@@ -110,8 +105,10 @@ def channel_groups(dim: int, group: int) -> torch.Tensor:
     return torch.arange(dim) // min(group, dim)
 
 
-def quantize_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
-    """KIVI's value layout: each token quantized on its own, in groups of ``group`` channels.
+def quantize_per_token(x: torch.Tensor, bits: int, group: int,
+                       dtype: torch.dtype | None = None) -> tuple[Quantized, torch.Tensor | None]:
+    """KIVI's value layout: each token quantized on its own, in groups of ``group`` channels, and (with ``dtype``)
+    the values a reader gets back, decoded from the codes before they are packed.
 
     scale and zero are [B, H, T, ceil(D / group)]; a head_dim that is not a multiple of ``group`` gets a shorter last
     group.
@@ -120,22 +117,21 @@ def quantize_per_token(x: torch.Tensor, bits: int, group: int) -> Quantized:
     groups = channel_groups(dim, group).to(x.device)
     count = int(groups[-1]) + 1
     width = min(group, dim)
-    if dim % width == 0:  # whole groups: a reshape (scatter_reduce costs several times more on a CPU)
+    if dim % width == 0:  # whole groups: a reshape (scatter_reduce and index gathers cost several times more on a CPU)
         grouped = x.float().unflatten(-1, (count, width))
-        lo, hi = grouped.amin(dim=-1), grouped.amax(dim=-1)
-    else:
-        index = groups.expand(*x.shape)
-        empty = torch.zeros(*x.shape[:-1], count, dtype=torch.float32, device=x.device)
-        lo = empty.scatter_reduce(-1, index, x.float(), "amin", include_self=False)
-        hi = empty.scatter_reduce(-1, index, x.float(), "amax", include_self=False)
+        scale, zero = minmax_params(grouped.amin(dim=-1), grouped.amax(dim=-1), bits)
+        codes = encode(grouped, scale.unsqueeze(-1), zero.unsqueeze(-1), bits)
+        restored = (None if dtype is None else
+                    decode(codes, scale.unsqueeze(-1), zero.unsqueeze(-1), dtype).flatten(-2))
+        return Quantized(pack(codes.flatten(-2), bits), scale, zero), restored
+    index = groups.expand(*x.shape)
+    empty = torch.zeros(*x.shape[:-1], count, dtype=torch.float32, device=x.device)
+    lo = empty.scatter_reduce(-1, index, x.float(), "amin", include_self=False)
+    hi = empty.scatter_reduce(-1, index, x.float(), "amax", include_self=False)
     scale, zero = minmax_params(lo, hi, bits)
     codes = encode(x, scale[..., groups], zero[..., groups], bits)
-    return Quantized(pack(codes, bits), scale, zero)
-
-
-def dequantize_per_token(q: Quantized, bits: int, dim: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    groups = channel_groups(dim, group).to(q.codes.device)
-    return decode(unpack(q.codes, bits, dim), q.scale[..., groups], q.zero[..., groups], dtype)
+    restored = None if dtype is None else decode(codes, scale[..., groups], zero[..., groups], dtype)
+    return Quantized(pack(codes, bits), scale, zero), restored
 
 
 def error_bound(scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:

@@ -23,15 +23,7 @@ from __future__ import annotations
 import torch
 
 from kvviz.cache.protocol import QuantizationMethod, per_element
-from kvviz.cache.quant import (
-    Quantized,
-    bits_with_metadata,
-    channel_groups,
-    dequantize_per_channel,
-    dequantize_per_token,
-    quantize_per_channel,
-    quantize_per_token,
-)
+from kvviz.cache.quant import Quantized, bits_with_metadata, channel_groups, quantize_per_channel, quantize_per_token
 from kvviz.cache.quantized import refuse_rerotation
 from kvviz.cache.spec import MethodStack, Param, register
 from kvviz.cache.storage import DenseStorage, KVStorage, StorageBytes, gather_tokens, tensor_bytes
@@ -111,21 +103,16 @@ class GroupQuantStorage(KVStorage):
         res_keys, res_values = self.residual_entries()
         keys, values = res_keys[:, :, :count], res_values[:, :, :count]
         if self.keys_per_channel:
-            new_keys = quantize_per_channel(keys, self.bits, self.group)
-            local = torch.arange(count, device=keys.device) // self.group
-            dequant = dequantize_per_channel(new_keys, self.bits, self.key_dim, local.expand(*keys.shape[:2], count),
-                                             self.dtype)
+            new_keys, dequant = quantize_per_channel(keys, self.bits, self.group, self.dtype)
             if self.group_sizes is not None:
                 full = torch.full((*keys.shape[:2], groups), self.group, dtype=torch.int16, device=keys.device)
                 self.group_sizes = torch.cat([self.group_sizes, full], dim=2)
         else:
-            new_keys = quantize_per_token(keys, self.bits, self.group)
-            dequant = dequantize_per_token(new_keys, self.bits, self.key_dim, self.group, self.dtype)
-        new_values = quantize_per_token(values, self.bits, self.group)
+            new_keys, dequant = quantize_per_token(keys, self.bits, self.group, self.dtype)
+        new_values, dequant_values = quantize_per_token(values, self.bits, self.group, self.dtype)
         self.keys = self._append(self.keys, new_keys)
         self.values = self._append(self.values, new_values)
-        self.read.overwrite(start, dequant, dequantize_per_token(new_values, self.bits, self.value_dim, self.group,
-                                                                 self.dtype))
+        self.read.overwrite(start, dequant, dequant_values)
 
     @staticmethod
     def _append(old: Quantized | None, new: Quantized) -> Quantized:

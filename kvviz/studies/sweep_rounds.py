@@ -18,14 +18,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 from kvviz.studies.paired import unit_differences
-from kvviz.studies.sequential import ROUND_ITEMS, STOPS, Allocation, Design, Families, claim_p_values
+from kvviz.studies.sequential import ROUND_ITEMS, STOPS, Allocation, claim_p_values
 from kvviz.studies.sweep_measure import Cell, ItemRecord, Rows, measure_rows, unit_order
 from kvviz.studies.sweep_shards import ModelKey, ShardKey, ShardRun, ShardStore, stream_key
-from kvviz.studies.verdicts import outcome_values
+from kvviz.studies.verdicts import outcome_values, sweep_design
 from kvviz.studies.workloads import TaskWorkload, Workload
 
 # Measures these items (indices) under these SPECs (full first): in process, or in shards on a cluster
@@ -94,19 +96,6 @@ def _merge(first: ShardRun | None, second: ShardRun | None) -> ShardRun | None:
                     first.shards_reused + second.shards_reused, first.shard_seconds + second.shard_seconds)
 
 
-@dataclass(frozen=True)
-class Judged:
-    """The points the rounds decide on: the indices (into the points) of those judged, their design."""
-
-    indices: tuple[int, ...]
-    design: Design
-
-    @classmethod
-    def of(cls, points: Sequence, margin: float) -> Judged:
-        indices = tuple(range(1, len(points)))
-        return cls(indices, Design(margin / 100, Families.of([(points[i].family, points[i].budget) for i in indices])))
-
-
 def in_process(loaded: LoadedModel, workload: Workload, block_size: int = DEFAULT_BLOCK_SIZE,
                store: ShardStore | None = None) -> RoundSource:
     """Each round's items measured here, each round kept in ``store`` (when given) under its items and SPECs, and
@@ -137,11 +126,10 @@ def measure_in_rounds(workload: Workload, points: Sequence, source: RoundSource,
     units = _units(workload, adaptive)
     run = RoundsRun(allocation=[Allocated() for _ in points])
     rows = Rows()
-    judged = Judged.of(points, margin)
-    allocation = Allocation(judged.design)
+    allocation = Allocation(sweep_design(points, range(1, len(points)), margin))  # every point but full is judged
     open_points = list(range(len(points)))  # full stays open while any other point is
     next_unit = 0
-    per_cell = None  # seconds per item and configuration, from the rounds so far
+    per_item = None  # the last round's seconds per item: an upper bound for the next, which runs no more points
     while True:
         size = len(units) - next_unit if adaptive is None else adaptive.round_items
         taken = units[next_unit: next_unit + size]
@@ -151,8 +139,8 @@ def measure_in_rounds(workload: Workload, points: Sequence, source: RoundSource,
             break
         indices = [i for unit in taken for i in unit]
         running = [specs[i] for i in open_points]
-        if adaptive is not None and adaptive.seconds is not None and per_cell is not None:
-            if time.perf_counter() - started + per_cell * len(indices) * len(running) > adaptive.seconds:
+        if adaptive is not None and adaptive.seconds is not None and per_item is not None:
+            if time.perf_counter() - started + per_item * len(indices) > adaptive.seconds:
                 run.ended = "time"
                 break
         round_started = time.perf_counter()
@@ -164,8 +152,7 @@ def measure_in_rounds(workload: Workload, points: Sequence, source: RoundSource,
             by_spec = dict(zip(running, record.cells, strict=True))
             rows.records.append(ItemRecord(record.listing, record.tokens, [by_spec.get(s) for s in specs],
                                            record.group))
-        elapsed = time.perf_counter() - round_started
-        per_cell = elapsed / max(1, len(indices) * len(running))
+        per_item = (time.perf_counter() - round_started) / len(indices)
         next_unit += len(taken)
         run.rounds += 1
         run.items += len(indices)
@@ -173,7 +160,7 @@ def measure_in_rounds(workload: Workload, points: Sequence, source: RoundSource,
             run.allocation[i].items_used = run.items
         if adaptive is None:
             break
-        decided = _look(rows, judged, allocation, main_key, threshold, run.rounds)
+        decided = _look(rows, allocation, main_key, threshold)
         for i in decided:
             run.allocation[i].stopped, run.allocation[i].look = decided[i], run.rounds
         open_points = [0] + [i for i in open_points[1:] if i not in decided]
@@ -210,30 +197,28 @@ def _whole_items(taken: list[tuple[int, ...]], adaptive: Adaptive | None, used: 
     return kept if used < adaptive.max_items else []
 
 
-def _look(rows: Rows, judged: Judged, allocation: Allocation, main_key: str, threshold: float,
-          look: int) -> dict[int, str]:
-    """One look after a round: each judged point's units so far into the design; the points it newly decides, with
-    why (a point whose item failed stops as ``error``; the report names the failure)."""
+def _look(rows: Rows, allocation: Allocation, main_key: str, threshold: float) -> dict[int, str]:
+    """One look after a round: each judged point's units so far into the design; the points (by index, full 0) it
+    newly decides, with why (a point whose item failed stops as ``error``; the report names the failure)."""
     full_cells = rows.column(0)
     groups = rows.groups()
-    differences, failed = [], {}
-    for index in judged.indices:
-        cells = rows.column(index)
+    differences, failed = [], set()
+    for judged in range(allocation.open.shape[1]):
+        cells = rows.column(judged + 1)
         values = _values(cells, main_key, threshold)
         full = _values(full_cells[:len(cells)], main_key, threshold)
         if values is None or full is None:
-            failed[index] = "error"
+            failed.add(judged)
             differences.append(unit_differences([], []))
             continue
         differences.append(unit_differences(full, values, None if groups is None else groups[:len(values)]))
-    was_open = allocation.open.copy()
-    allocation.look(claim_p_values(differences, judged.design.margin))
-    newly = was_open[0] & ~allocation.open[0]
-    decided = {judged.indices[j]: STOPS[int(allocation.stops[0, j])] for j in range(len(judged.indices)) if newly[j]}
-    for index, why in failed.items():
-        if was_open[0, judged.indices.index(index)]:
-            allocation.open[0, judged.indices.index(index)] = False
-            decided[index] = why
+    was_open = allocation.open[0].copy()
+    allocation.look(claim_p_values(differences, allocation.design.margin))
+    decided = {j + 1: STOPS[int(allocation.stops[0, j])] for j in np.nonzero(was_open & ~allocation.open[0])[0]}
+    for judged in failed:
+        if was_open[judged]:
+            allocation.open[0, judged] = False
+            decided[judged + 1] = "error"
     return decided
 
 

@@ -51,7 +51,7 @@ def test_decoding_flushes_one_group_at_a_time(monkeypatch):
     flushed = []
     original = kivi_module.quantize_per_channel
     monkeypatch.setattr(kivi_module, "quantize_per_channel",
-                        lambda x, bits, group: flushed.append(x.shape[2]) or original(x, bits, group))
+                        lambda x, bits, group, dtype: flushed.append(x.shape[2]) or original(x, bits, group, dtype))
     old_codes = storage.keys.codes.clone()
     for t in range(40, 90):
         storage.append(keys[:, :, t:t + 1], values[:, :, t:t + 1])

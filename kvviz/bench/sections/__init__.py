@@ -9,7 +9,7 @@ import importlib
 
 ORDER = ("shared_prefill", "batched_compare", "kv_bytes", "layouts", "replay_vs_generate", "bookkeeping",
          "decode_large_cache", "kivi", "peer_kvpress", "kvpress_native", "capture", "perplexity", "needle", "prefix",
-         "sweep", "sweep_ray", "app", "classroom", "engine_process")
+         "sweep", "adaptive_sweep", "sweep_ray", "app", "classroom", "engine_process")
 
 for _name in ORDER:
     importlib.import_module(f"{__name__}.{_name}")
