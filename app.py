@@ -6,9 +6,9 @@ from pathlib import Path
 
 import streamlit as st
 
-from kvviz.engine.startup import start_server
+from kvviz.comparison.startup import start_server
 
-start_server()  # once per process: the deployment settings applied (kvviz/engine/startup.py says what and why)
+start_server()  # once per process: the deployment settings applied (kvviz/comparison/startup.py says what and why)
 st.html(Path(__file__).parent / "assets" / "quiet_runs.css")  # before any page's work: still drawing while runs compute
 st.navigation([
     st.Page("views/0_Home.py", title="Home", icon=":material/home:", default=True),

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlencode
 
-from kvviz.engine.results import Comparison
-from kvviz.engine.session import encode_prompt
+from kvviz.comparison.results import Comparison
+from kvviz.comparison.session import encode_prompt
 from kvviz.planning.memory import ModelCard, model_card
 from kvviz.planning.planner import Plan, kv_bytes_per_sequence
 from kvviz.runs import AttentionRequest, CompareRequest, RunRequest

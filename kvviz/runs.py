@@ -1,6 +1,8 @@
 """The runs the pages ask for, as plain requests, and a result store on disk that outlives the server process.
 
-A request names its inputs (frozen dataclass fields) and knows how to compute itself on a loaded model. The store
+A request names its inputs (frozen dataclass fields) and makes the job that computes it on a loaded model's engine
+(:meth:`RunRequest.job`, :mod:`kvviz.runtime.engine`): the app submits that job and polls its handle, the command
+line and the bench wait for it (:meth:`RunRequest.run`). The store
 keys results by the request, the model (name, device, dtype) and a fingerprint of kvviz's code, so a result is
 reused only when the same code would compute the same thing. The app looks here before queueing a run, and the
 class warm-up (``make warm``) fills the store before students connect: a page whose run is stored never touches the
@@ -14,32 +16,36 @@ import hashlib
 import os
 import pickle
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
 from kvviz.cache.stats import AttentionStats
-from kvviz.engine.results import Comparison
-from kvviz.engine.session import PromptSession, compare
+from kvviz.comparison.results import Comparison
+from kvviz.comparison.session import PromptSession, compare_job
 from kvviz.planning.memory import model_card
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.cluster import ClusterConfig, ModelSource
+from kvviz.runtime.jobs import Elsewhere, Handle, Job, Stage, Steps
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 from kvviz.runtime.settings import results_folder
-from kvviz.studies.needle import NeedleReport, run_needle_grid
+from kvviz.studies.needle import NeedleReport, needle_job
 from kvviz.studies.paired import DEFAULT_MARGIN
-from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost, run_turns
-from kvviz.studies.prefix_sharing import SharingReport, compare_sharing
-from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, run_sweep
+from kvviz.studies.prefix_reuse import LengthCost, ReuseReport, context_cost_job, turns_job
+from kvviz.studies.prefix_sharing import SharingReport, sharing_job
+from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, check_sweep, run_sweep
 from kvviz.studies.sweep_ray import sharded_rows
 from kvviz.studies.sweep_rounds import Adaptive
 from kvviz.studies.sweep_shards import ModelKey, ShardKey
-from kvviz.studies.tail import TailReport, run_tail
+from kvviz.studies.tail import TailReport, tail_job
 from kvviz.studies.workloads import Workload
 
+T = TypeVar("T")
 MATRIX_SIZE = 160  # attention matrices are block-averaged to at most this many bins per side
 
 
@@ -59,21 +65,20 @@ class RunRequest:
 
     kind: ClassVar[str] = ""
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> Any:
+    def job(self, loaded: LoadedModel) -> Job:
+        """The request as one job for the model's engine: its steps and what its first step puts on the model
+        (its size, which the engine's admission weighs). Bad inputs raise here, before any model work."""
         raise NotImplementedError
 
-    def run(self, loaded: LoadedModel, progress: Progress | None = None) -> Any:
-        """:meth:`compute` as the model's engine serves it (:mod:`kvviz.runtime.engine`): a run that shares the model
-        hands its model work to the engine piece by piece from here; one that holds it by itself (a study) runs on
-        the engine's thread as one piece of work. Every entry point (pages, CLI, bench) runs requests this way."""
-        if self.run_size(loaded).shares:
-            return self.compute(loaded, progress)
-        return loaded.engine.call(lambda: self.compute(loaded, progress))
+    def submit(self, loaded: LoadedModel, user: str | None = None) -> Handle:
+        """The request's job submitted to the model's engine: the handle a notebook (or any client that does not
+        wait at once) holds, with its status, progress, ``cancel()`` and ``result()``."""
+        return loaded.engine.submit(self.job(loaded), user)
 
-    def run_size(self, loaded: LoadedModel) -> RunSize:
-        """What the run puts on the model, for the admission policy (:mod:`kvviz.runtime.admission`): a study holds
-        the model throughout (one piece of the engine's work), so by default a run is served alone."""
-        return RunSize(device=loaded.device, shares=False)
+    def run(self, loaded: LoadedModel, progress: Progress | None = None) -> Any:
+        """The request's job submitted to the model's engine, and its result waited for (the command line and the
+        bench; a page submits the job itself and follows its handle)."""
+        return loaded.engine.run(self.job(loaded), progress)
 
 
 @dataclass(frozen=True)
@@ -85,12 +90,8 @@ class CompareRequest(RunRequest):
     specs: tuple[str, ...]
     max_new_tokens: int
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> Comparison:
-        return compare(loaded, list(self.prompt_ids), list(self.specs), self.max_new_tokens, progress=progress)
-
-    def run_size(self, loaded: LoadedModel) -> RunSize:
-        """Every configuration's row attends over the prompt at each step (and joins the running batch)."""
-        return RunSize(len(self.prompt_ids) * len(self.specs), loaded.device)
+    def job(self, loaded: LoadedModel) -> Job[Comparison]:
+        return compare_job(loaded, self.prompt_ids, self.specs, self.max_new_tokens)
 
 
 class _LayerProgress:
@@ -122,17 +123,22 @@ class AttentionRequest(RunRequest):
     sink_tokens: int
     every_layer: bool = False
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> AttentionStats:
+    def job(self, loaded: LoadedModel) -> Job[AttentionStats]:
+        """One prefill with the page's capture, between the running batch's steps."""
         card = model_card(loaded)
         config = CaptureConfig(sink_tokens=self.sink_tokens, matrices=[(self.layer, h) for h in range(card.q_heads)],
                                matrix_size=MATRIX_SIZE,
                                received_layers=None if self.every_layer else (self.layer,))
-        listeners = [_LayerProgress(card.layers, progress)] if progress is not None else []
-        return loaded.engine.call(lambda: PromptSession(loaded, list(self.prompt_ids)).prefill(config, listeners).stats)
+        session = PromptSession(loaded, list(self.prompt_ids))
+        return Job(functools.partial(_attention_steps, session, config, card.layers), RunSize(len(self.prompt_ids),
+                                                                                              loaded.device),
+                   self.kind)
 
-    def run_size(self, loaded: LoadedModel) -> RunSize:
-        """One prefill on the model's engine, between the running batch's steps."""
-        return RunSize(len(self.prompt_ids), loaded.device)
+
+def _attention_steps(session: PromptSession, config: CaptureConfig, layers: int,
+                     progress: Progress) -> Steps[AttentionStats]:
+    yield Stage.PREFILL
+    return session.prefill(config, [_LayerProgress(layers, progress)]).stats
 
 
 @dataclass(frozen=True)
@@ -149,10 +155,9 @@ class NeedleRequest(RunRequest):
     max_new_tokens: int
     seed: int = 0  # which haystacks (keys); the page keeps the default
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> NeedleReport:
-        return run_needle_grid(loaded, list(self.specs), list(self.lengths), list(self.depths), trials=self.trials,
-                               seed=self.seed, chat=self.chat, mode=self.mode, max_new_tokens=self.max_new_tokens,
-                               progress=progress)
+    def job(self, loaded: LoadedModel) -> Job[NeedleReport]:
+        return needle_job(loaded, list(self.specs), list(self.lengths), list(self.depths), trials=self.trials,
+                          seed=self.seed, chat=self.chat, mode=self.mode, max_new_tokens=self.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -170,11 +175,10 @@ class TailRequest(RunRequest):
     trials: int = 1  # items per cell; the page keeps the defaults
     seed: int = 0
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> TailReport:
-        return run_tail(loaded, list(self.specs), list(self.tasks), list(self.lengths), list(self.depths),
+    def job(self, loaded: LoadedModel) -> Job[TailReport]:
+        return tail_job(loaded, list(self.specs), list(self.tasks), list(self.lengths), list(self.depths),
                         list(self.hops), trials=self.trials, seed=self.seed, mode=self.mode,
-                        protect=list(self.protect), progress=progress)
-
+                        protect=list(self.protect))
 
 
 @dataclass(frozen=True)
@@ -187,9 +191,8 @@ class PrefixTurnsRequest(RunRequest):
     block_tokens: int
     repeats: int = 1  # time each prefill this many times and keep the best (the CLI's --repeats)
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> ReuseReport:
-        return run_turns(loaded, [list(p) for p in self.prompts], list(self.labels), self.block_tokens, self.repeats,
-                         progress=progress)
+    def job(self, loaded: LoadedModel) -> Job[ReuseReport]:
+        return turns_job(loaded, [list(p) for p in self.prompts], list(self.labels), self.block_tokens, self.repeats)
 
 
 @dataclass(frozen=True)
@@ -203,9 +206,9 @@ class PrefixSharingRequest(RunRequest):
     specs: tuple[str, ...]
     max_new_tokens: int
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> SharingReport:
-        return compare_sharing(loaded, list(self.preamble), list(self.question_a), list(self.question_b),
-                               list(self.specs), self.max_new_tokens, progress)
+    def job(self, loaded: LoadedModel) -> Job[SharingReport]:
+        return sharing_job(loaded, list(self.preamble), list(self.question_a), list(self.question_b),
+                           list(self.specs), self.max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -216,8 +219,8 @@ class ContextCostRequest(RunRequest):
     tokens: tuple[int, ...]
     lengths: tuple[int, ...]
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> list[LengthCost]:
-        return context_cost(loaded, list(self.tokens), list(self.lengths), progress)
+    def job(self, loaded: LoadedModel) -> Job[list[LengthCost]]:
+        return context_cost_job(loaded, list(self.tokens), list(self.lengths))
 
 
 @dataclass(frozen=True)
@@ -237,13 +240,29 @@ class SweepRequest(RunRequest):
     margin: float = DEFAULT_MARGIN  # fixed before the run: an adaptive sweep stops its points on it
     adaptive: Adaptive | None = None  # rounds until decided (None: one look at every item)
 
-    def compute(self, loaded: LoadedModel, progress: Progress | None = None) -> SweepReport:
+    def job(self, loaded: LoadedModel) -> Job[SweepReport]:
+        """The sweep runs as a client of the engine, off the model: a thread of its own plans it, waits for its
+        measurements and judges them, holding no place in the engine meanwhile. In this process each wave of a
+        round's items is a job of its own (:func:`kvviz.comparison.batched.decode_prompts`), admitted beside other
+        users' runs as the admission policy says; on a cluster the shards run on Ray workers and nothing waits here
+        but the thread."""
+        check_sweep(list(self.specs), list(self.budgets), self.workload)
+        return Job(functools.partial(_elsewhere_steps, functools.partial(self.measure, loaded)),
+                   RunSize(0, loaded.device), self.kind)
+
+    def measure(self, loaded: LoadedModel, progress: Progress, stop: threading.Event) -> SweepReport:
+        """The sweep itself, on the thread the engine gave it (``stop``: set when the run is cancelled)."""
         source, store = None, ResultStore.default()
         if self.cluster is not None:
             worker = self.worker_model or ModelSource(loaded.name, weights=loaded.weights)
-            source = sharded_rows(self.cluster, worker, self.workload, store, self.block_size)
+            source = sharded_rows(self.cluster, worker, self.workload, store, self.block_size, stop)
         return run_sweep(loaded, self.workload, list(self.specs), list(self.budgets), progress, source,
                          margin=self.margin, block_size=self.block_size, adaptive=self.adaptive, store=store)
+
+
+def _elsewhere_steps(work: Callable[[Progress, threading.Event], T], progress: Progress) -> Steps[T]:
+    """A job whose whole work runs off the model: ``work(progress, stop)`` on a thread of its own."""
+    return (yield Elsewhere(functools.partial(work, progress)))
 
 
 @dataclass

@@ -12,7 +12,7 @@ from kvviz_app.url import ICON, Read, linked, listing, read_text, shown, unknown
 
 def settings() -> Settings:
     """Deployment limits from the environment (upload size, prompt and generation caps). Reading them changes
-    nothing: the server's start-up applied them (:func:`kvviz.engine.startup.start_server`)."""
+    nothing: the server's start-up applied them (:func:`kvviz.comparison.startup.start_server`)."""
     return Settings.from_env()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from kvviz.engine.prompts import (
+from kvviz.comparison.prompts import (
     PROMPT_SET_SUFFIX,
     TEXT_SUFFIXES,
     LengthCheck,
@@ -15,8 +15,8 @@ from kvviz.engine.prompts import (
     read_prompt_set,
     truncate_middle,
 )
-from kvviz.engine.results import MethodResult
-from kvviz.engine.session import PromptError, encode_prompt
+from kvviz.comparison.results import MethodResult
+from kvviz.comparison.session import PromptError, encode_prompt
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import LoadedModel
 from kvviz_app import plots
@@ -108,7 +108,7 @@ def encode(loaded: LoadedModel, text: str | None, chat: bool, max_new_tokens: in
     """Token ids of the prompt, or None after showing why it cannot run (no prompt, empty, too long, no template).
 
     A prompt over the server's limit is refused unless the user asks to cut its middle (see
-    :func:`kvviz.engine.prompts.truncate_middle`); once they do, only what was cut is shown, no error.
+    :func:`kvviz.comparison.prompts.truncate_middle`); once they do, only what was cut is shown, no error.
     """
     if text is None:
         return None

@@ -1,7 +1,7 @@
 """How a page gets a result, the one way every page does: it names a request (:mod:`kvviz.runs`) and
-:func:`result_for` returns its result from this server's memory, else the result store on disk, else a run in the
-shared queue (round-robin across users, up to ``RUNS_TOGETHER`` runs at once whose comparisons decode in one batch),
-stored for next time.
+:func:`result_for` returns its result from this server's memory, else the result store on disk, else one job
+submitted to the model's engine (round-robin across users, runs admitted together decoding in one batch), stored for
+next time.
 
 A page with a run button draws it with :func:`run_button`, which keeps the request pressed in the session, and shows
 the result with :func:`run_pressed`; a section that runs only once asked draws :func:`stays_pressed`.
@@ -14,7 +14,7 @@ import streamlit as st
 from kvviz.runs import ResultStore, RunRequest
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
-from kvviz_app.progress_ui import show_notice, through_queue, with_progress
+from kvviz_app.progress_ui import follow, show_notice, with_progress
 from kvviz_app.recent import recent_results
 
 
@@ -25,19 +25,20 @@ def result_store() -> ResultStore:
 
 
 def stored_or_run(loaded: LoadedModel, request: RunRequest, user: str, progress: Progress) -> object:
-    """A request's result from the result store, else run through the shared queue (and stored)."""
+    """A request's result from the result store (read once), else its job submitted to the model's engine and
+    followed (one submit, one result), then stored. Another session asking for the same request meanwhile waits for
+    this one in :func:`result_for` and finds the result in memory."""
     store = result_store()
     found = store.load(loaded, request)
     if found is None:
-        # looked up again when its turn comes: another user's identical run (a lesson step) may be stored by then
-        found = through_queue(user, lambda report: store.fetch(loaded, request, report), progress,
-                              request.run_size(loaded))
+        found = follow(loaded.engine, request.job(loaded), user, progress)
+        store.save(loaded, request, found)
     return found
 
 
 def result_for(loaded: LoadedModel, request: RunRequest, start_text: str = "Starting…",
                request_key: str | None = None) -> object:
-    """A request's result: from this server's memory at once, else from the store or a run in the shared queue,
+    """A request's result: from this server's memory at once, else from the store or a run on the model's engine,
     with a progress bar and a Cancel button (which also forgets the request pressed under ``request_key``)."""
     key = f"{loaded.name}:{loaded.device}:{request!r}"
     memory = recent_results()

@@ -19,7 +19,7 @@ from pathlib import Path
 from streamlit.logger import set_log_level
 from streamlit.testing.v1 import AppTest
 
-from kvviz.engine.startup import start_server
+from kvviz.comparison.startup import start_server
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "views"

@@ -1,15 +1,15 @@
 """Which runs decode together (kvviz.runtime.admission): on a CPU short comparisons start together and a long
-upload's comparison alone; on an accelerator only the count bounds them; a study runs alone. The bench's class is
-served through the app's scheduler, in arrival order."""
+upload's comparison alone; on an accelerator only the count bounds them; a study's step runs alone. The bench's class
+is submitted to the model's engine, as the app's pages submit, and served in arrival order."""
 
 import time
 from types import SimpleNamespace
 
 from kvviz.bench.sections.classroom import serve_class
 from kvviz.runs import AttentionRequest, CompareRequest, RunRequest
-from kvviz.runtime.admission import ADMISSION, CPU_POSITIONS, ONE_AT_A_TIME, Admission, RunSize
-from kvviz.runtime.scheduler import Scheduler
-from kvviz.runtime.together import RUNS_TOGETHER
+from kvviz.runtime.admission import ADMISSION, ALONE, CPU_POSITIONS, ONE_AT_A_TIME, RUNS_TOGETHER, Admission, RunSize
+from kvviz.runtime.engine import Engine
+from kvviz.runtime.jobs import Job, Stage
 
 SHORT = RunSize(40 * 2, "cpu")  # a student's comparison: two configurations on a ~40-token prompt
 UPLOAD = RunSize(2022 * 6, "cpu")  # six configurations on a 2K-token upload
@@ -54,43 +54,48 @@ def test_one_at_a_time_admits_nothing_beside_a_run():
     assert "2,048 positions" in ADMISSION.describe("cpu") and "positions" not in ADMISSION.describe("cuda")
 
 
-def test_requests_say_what_they_put_on_the_model():
-    on_cpu = SimpleNamespace(device="cpu")  # all a request reads of the model to size itself
+def test_requests_say_what_they_put_on_the_model(tiny_model):
+    from kvviz.runs import NeedleRequest
+
     compare = CompareRequest(tuple(range(30)), ("full", "window:window=8"), 3)
-    assert compare.run_size(on_cpu) == RunSize(60, "cpu")
-    assert AttentionRequest(tuple(range(30)), 0, 4).run_size(on_cpu) == RunSize(30, "cpu")
-    assert RunRequest().run_size(on_cpu).shares is False, "a study holds the model's lock: alone"
+    assert compare.job(tiny_model).size == RunSize(60, "cpu")
+    assert AttentionRequest(tuple(range(30)), 0, 4).job(tiny_model).size == RunSize(30, "cpu")
+    needle = NeedleRequest(("window:window=8",), (64,), (0.5,), 1, "query_aware", False, 4)
+    assert needle.job(tiny_model).size == ALONE, "a study's item decodes alone"
 
 
 class _Sleep(RunRequest):
-    """A run of a given size that sleeps instead of computing, and says when it ran."""
+    """A run of a given size that takes ``seconds`` in short steps instead of computing, and says when it ran."""
 
     def __init__(self, size: RunSize, seconds: float, spans: list, index: int):
         self.size, self.seconds, self.spans, self.index = size, seconds, spans, index
 
-    def run_size(self, loaded) -> RunSize:
-        return self.size
+    def job(self, loaded) -> Job:
+        return Job(self.steps, self.size)
 
-    def compute(self, loaded, progress=None):
+    def steps(self, progress):
         started = time.monotonic()
-        time.sleep(self.seconds)
+        while time.monotonic() - started < self.seconds:
+            yield Stage.MEASURE
+            time.sleep(0.005)
         self.spans.append((self.index, started, time.monotonic()))
 
 
 def _serve(admission: Admission, sizes: list[RunSize], seconds: float) -> tuple[list[tuple[int, float, float]], int]:
-    """Each size's run (sleeping ``seconds``) served as the bench serves a class, through the app's scheduler:
+    """Each size's run (taking ``seconds``) served as the bench serves a class, submitted to a model's engine:
     (index, start, end) per run, and the most runs at once."""
     spans: list[tuple[int, float, float]] = []
     requests = [_Sleep(size, seconds, spans, index) for index, size in enumerate(sizes)]
-    _, at_once = serve_class(SimpleNamespace(device="cpu"), requests, admission)
+    _, at_once = serve_class(SimpleNamespace(device="cpu", engine=Engine(None, "cpu")), requests, admission)
     return sorted(spans), at_once
 
 
-def test_the_class_bench_serves_through_the_scheduler_the_app_runs():
-    from kvviz.bench.sections import classroom
-    from kvviz_app import progress_ui
-
-    assert classroom.Scheduler is progress_ui.Scheduler is Scheduler
+def test_the_class_bench_submits_to_the_engine_the_app_submits_to(tiny_model, story_ids):
+    requests = [CompareRequest(tuple(story_ids[:20]), ("full", "window:window=8"), 2)] * 2
+    before = len(tiny_model.engine.history)
+    times, _ = serve_class(tiny_model, requests, ADMISSION)
+    assert len(tiny_model.engine.history) - before == 2 and len(times) == 2
+    assert tiny_model.engine.admission is ADMISSION, "the engine's own policy is back after the class"
 
 
 def test_a_class_starts_runs_in_order_as_the_policy_admits_them():

@@ -171,7 +171,7 @@ def test_tail_risk_page_offers_its_downloads_when_no_run_failed():
 
 
 def test_compare_page_says_what_native_presses_did_and_refuses_an_unmappable_one(monkeypatch):
-    from kvviz.engine.startup import apply_settings
+    from kvviz.comparison.startup import apply_settings
     from kvviz.methods.kvpress.catalog import configure_presses
 
     monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")  # keys no prompt token has

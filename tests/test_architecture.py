@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvviz.cache.architecture import axis_factors
-from kvviz.engine.session import PromptSession, compare
+from kvviz.comparison.session import PromptSession, compare
 from kvviz.methods import REGISTRY, Budget, SpecError, parse_spec
 
 EVICTIONS = sorted(name for name, cls in REGISTRY.items() if cls.kind == "eviction")

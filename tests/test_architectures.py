@@ -18,7 +18,7 @@ import torch
 
 from kvviz.cache.layer_types import REFUSALS, LayerTypes, refusal_for
 from kvviz.cli import main
-from kvviz.engine.session import PromptSession, compare
+from kvviz.comparison.session import PromptSession, compare
 from kvviz.methods import parse_spec
 from kvviz.planning.memory import model_card
 from kvviz.runtime.models import ModelError, prepare_default_model, ready
@@ -228,8 +228,8 @@ def test_architectures_a_storage_that_cannot_drop_tokens_says_so_on_a_local_laye
 def test_architectures_prompts_prefilled_together_keep_each_local_window(tokenizer, prompt_ids):
     """Prompts of different lengths in one forward (right-padded, each row over its own keys, the window in the
     mask kvviz builds) and their rows decoded together give each prompt the model's own greedy tokens."""
-    from kvviz.engine.batched import decode_prompts
-    from kvviz.engine.session import FREE
+    from kvviz.comparison.batched import decode_prompts
+    from kvviz.comparison.session import FREE
 
     model = tiny_model("gemma3_text", len(tokenizer))
     prompts = [prompt_ids, prompt_ids[5:60]]

@@ -5,7 +5,7 @@ method leaving the batch alone."""
 import pytest
 import torch
 
-from kvviz.engine.session import compare
+from kvviz.comparison.session import compare
 from kvviz.methods import REGISTRY, budget_spec
 from kvviz.methods.h2o import H2O
 from kvviz.methods.window import Window

@@ -19,7 +19,7 @@ from kvviz.cache import attention
 from kvviz.cache.capture import CaptureConfig
 from kvviz.cache.stats import StatsRecorder
 from kvviz.cli import main
-from kvviz.engine.session import PromptSession, capture_for
+from kvviz.comparison.session import PromptSession, capture_for
 from kvviz.methods import REGISTRY, parse_spec
 
 
@@ -355,7 +355,7 @@ def test_the_engine_process_runs_a_comparison_whatever_the_callers_main_module(r
     import types
 
     from kvviz.bench.sections.engine_process import receive, send, start_engine_process
-    from kvviz.engine.session import compare
+    from kvviz.comparison.session import compare
 
     script = types.ModuleType("__main__")
     script.__file__ = str(Path(__file__).resolve().parents[1] / "app.py")

@@ -8,7 +8,7 @@ import torch
 from kvviz.bench.sections.bookkeeping import dynamic_cache_step
 from kvviz.bench.sections.replay_vs_generate import generate_tokens
 from kvviz.bench.workloads import decode_step, prompt_tokens, random_model
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.runtime.invariance import RowPaddedLinear
 
 PADDED_TO = 4  # every count of fewer rows is padded to it (as the probe pads a one-row step on the 2-core CPU)

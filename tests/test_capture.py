@@ -99,7 +99,7 @@ def test_sink_mass_is_strong_on_the_real_model(real_model, story_ids):
 
 
 def test_each_method_asks_for_only_the_capture_it_reads():
-    from kvviz.engine.session import capture_for
+    from kvviz.comparison.session import capture_for
     from kvviz.methods import parse_spec
 
     def wanted(*specs):

@@ -11,6 +11,8 @@ from kvviz.bench.sections.classroom import add_served_class
 from kvviz.planning.classroom import ClassRun, percentile, project_class, queue_waits
 from kvviz.runs import RunRequest
 from kvviz.runtime.admission import CPU_POSITIONS, RunSize
+from kvviz.runtime.engine import Engine
+from kvviz.runtime.jobs import Job, Stage
 
 
 def test_each_run_waits_for_every_run_queued_before_it():
@@ -43,18 +45,20 @@ class _Run(RunRequest):
     def __init__(self, positions: int, log: list[str]):
         self.positions, self.log = positions, log
 
-    def compute(self, loaded, progress=None):
-        self.log.append("run")
-        time.sleep(0.02)
+    def job(self, loaded) -> Job:
+        return Job(self.steps, RunSize(self.positions, loaded.device))
 
-    def run_size(self, loaded) -> RunSize:
-        return RunSize(self.positions, loaded.device)
+    def steps(self, progress):
+        self.log.append("run")
+        started = time.monotonic()
+        while time.monotonic() - started < 0.02:
+            yield Stage.MEASURE
+            time.sleep(0.002)
 
 
 def _served(positions: int, runs: int = 3, repeats: int = 2) -> tuple[dict, int]:
     """A class of ``runs`` such runs served both ways: its figures by name, and how many runs computed."""
-    loaded = SimpleNamespace(device="cpu", engine=SimpleNamespace(shared_forwards=0, seconds=0.0),
-                             prefills=SimpleNamespace(shared_forwards=0))
+    loaded = SimpleNamespace(device="cpu", engine=Engine(None, "cpu"))
     computed: list[str] = []
     section = Section("classroom", "")
     add_served_class(section, "upload", loaded, [_Run(positions, computed) for _ in range(runs)], "a class", print,

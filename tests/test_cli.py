@@ -66,7 +66,7 @@ def test_a_bug_in_the_engine_during_a_run_exits_1_with_its_traceback(tiny_model,
         raise ValueError("a bug in the engine")
 
     monkeypatch.setattr(cli.options, "load", lambda args: tiny_model)
-    monkeypatch.setattr("kvviz.engine.session.encode_prompt", broken)
+    monkeypatch.setattr("kvviz.comparison.session.encode_prompt", broken)
     assert main(["compare", "--play", "hamlet", "--play-tokens", "20", "--quiet"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and "ValueError: a bug in the engine" in err
@@ -118,7 +118,7 @@ def test_info_json_and_compare_json_end_to_end(tmp_path):
 
 
 def test_the_comparison_prints_as_text_each_method_with_its_bytes_or_its_failure():
-    from kvviz.engine.results import Comparison, MethodResult
+    from kvviz.comparison.results import Comparison, MethodResult
 
     comparison = Comparison("m", "cpu", 10, list(range(10)), 0.5, [
         MethodResult("full", text="an answer", kv_bytes=4096, kv_bytes_full=4096, seconds=0.25,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import REGISTRY, Budget, SpecError, parse_spec
 
 EVICTIONS = sorted(name for name, cls in REGISTRY.items() if cls.kind == "eviction")

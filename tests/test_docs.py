@@ -165,3 +165,84 @@ def test_the_page_tables_follow_the_sidebar(doc):
     rows = re.findall(r"^\| ([A-Z][\w -]+?) \| ", (ROOT / doc).read_text(), flags=re.M)
     assert [row for row in rows if row in sidebar] == [title for title in sidebar if title in rows]
     assert len([row for row in rows if row in sidebar]) >= 8
+
+
+SETTING_WIDGETS = {"radio", "selectbox", "select_slider", "slider", "number_input", "multiselect", "checkbox",
+                   "text_input", "text_area", "toggle", "segmented_control", "pills"}
+NOT_SETTINGS = {  # widgets a page draws directly, and why they are not settings a link carries
+    "tail_failure": "which failure of the result on screen to inspect",
+    "sweep_measure": "which of the result's measures the chart draws",
+    "planner_measure": "a switch that runs the model on demand",
+    "planner_layouts": "a switch that runs the model on demand",
+    "prefix_preamble": "a long pasted text, kept in the page (too long for an address)",
+    "prefix_questions": "pasted questions, kept with their preamble",
+}
+
+
+def test_every_page_setting_starts_from_the_link():
+    """The README says every page keeps its settings in the URL: every setting widget of a page is built through
+    kvviz_app.url (a lambda handed to ``linked``), except the few named above."""
+    import ast
+
+    plain = []
+    for page in sorted((ROOT / "views").glob("*.py")):
+        tree = ast.parse(page.read_text())
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and getattr(node.func.value, "id", "") == "st" and node.func.attr in SETTING_WIDGETS):
+                continue
+            ancestor, in_lambda = parents.get(node), False
+            while ancestor is not None and not in_lambda:
+                in_lambda, ancestor = isinstance(ancestor, ast.Lambda), parents.get(ancestor)
+            key = next((ast.literal_eval(k.value) for k in node.keywords if k.arg == "key"
+                        and isinstance(k.value, ast.Constant)), None)
+            if not in_lambda and key not in NOT_SETTINGS:
+                plain.append(f"{page.name}:{node.lineno} st.{node.func.attr} key={key}")
+    assert plain == [], "build it with kvviz_app.url's settings (or say in NOT_SETTINGS why it is none)"
+
+
+def test_cli_md_lists_every_command_that_loads_a_model():
+    commands = sorted(path.stem for path in (ROOT / "kvviz" / "cli").glob("*.py")
+                      if "options.add_model_options(" in path.read_text())
+    line = (ROOT / "docs" / "cli.md").read_text().split("## Options every model command takes")[1].split("\n\n")[1]
+    assert sorted(re.findall(r"`(\w+)`", line)) == commands
+
+
+def test_every_dtype_the_loader_accepts_is_in_the_help_and_in_cli_md():
+    from kvviz.cli.options import add_model_options
+    from kvviz.runtime.models import ModelError, resolve_dtype
+
+    with pytest.raises(ModelError) as refused:
+        resolve_dtype("cpu", "no-such-dtype")
+    accepted = re.findall(r"\b(float\d+|bfloat\d+)\b", str(refused.value))
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_model_options(parser)
+    help_text = next(action.help for action in parser._actions if "--dtype" in action.option_strings)
+    row = next(line for line in (ROOT / "docs" / "cli.md").read_text().splitlines() if line.startswith("| `--dtype"))
+    assert accepted and all(name in help_text and f"`{name}`" in row for name in accepted)
+
+
+def test_deployment_md_quotes_what_the_page_says_while_a_run_waits():
+    from types import SimpleNamespace
+
+    from kvviz.runtime.jobs import Status
+    from kvviz_app.progress_ui import queue_message
+
+    said = queue_message(2, SimpleNamespace(status=Status.WAITING, message=""))
+    assert f'"{said}"' in (ROOT / "docs" / "deployment.md").read_text()
+
+
+def test_architecture_md_holds_no_dated_figures():
+    """Dated figures belong in performance.md (and its history), where they are kept current."""
+    text = re.sub(r"\]\([^)]*\)", "]", prose((ROOT / "docs" / "architecture.md").read_text()))  # link targets
+    assert re.findall(r"\b20\d\d-\d\d-\d\d\b", text) == []
+
+
+def test_the_layer_table_names_the_engine_its_jobs_line_admission_and_the_cluster():
+    row = next(line for line in (ROOT / "docs" / "architecture.md").read_text().splitlines()
+               if line.startswith("| 1 | `kvviz/runtime/`"))
+    for module in ("engine.py", "jobs", "waiting line", "admission", "cluster.py"):
+        assert module in row, module

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from streamlit.testing.v1 import AppTest
 
-import kvviz.engine.session
+import kvviz.comparison.session
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT = "Name one planet."
@@ -78,16 +78,16 @@ def test_a_crash_inside_one_method_leaves_the_others_standing(monkeypatch):
 
 
 def test_out_of_memory_names_the_setting_and_the_next_run_works(monkeypatch):
-    original = kvviz.engine.session.compare
+    original = kvviz.comparison.session.compare_steps
     calls = {"n": 0}
 
-    def once_out_of_memory(*args, **kwargs):
+    def once_out_of_memory(*args, **kwargs):  # the comparison's first state fails on the engine, as a forward would
         calls["n"] += 1
         if calls["n"] == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr("kvviz.runs.compare", once_out_of_memory)
+    monkeypatch.setattr("kvviz.comparison.session.compare_steps", once_out_of_memory)
     app = _run(_compare(m=["full"], n="2"), "Count to three, slowly.")
     assert "ran out of memory" in _errors(app) and "max new tokens" in _errors(app)
     assert not app.exception

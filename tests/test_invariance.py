@@ -3,7 +3,7 @@ beside another user's run gives the very same logits, not just the same tokens."
 
 import torch
 
-from kvviz.engine.session import compare, encode_prompt
+from kvviz.comparison.session import compare, encode_prompt
 from kvviz.lessons import STORY_QUESTION
 from kvviz.runtime.invariance import PROBE_ROWS, RowPaddedLinear, agreeing_row_counts, rows_as_they_come
 from tests.test_together import together

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kvviz.engine.session import PromptSession, compare
-from kvviz.engine.startup import apply_settings
+from kvviz.comparison.session import PromptSession, compare
+from kvviz.comparison.startup import apply_settings
 from kvviz.methods import SpecError, parse_spec
 from kvviz.methods.kvpress.catalog import configure_presses, load_press_class, press_catalog
 from kvviz.methods.kvpress.coverage import HUB, NOT_MAPPABLE, RUNS, coverage

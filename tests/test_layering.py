@@ -16,7 +16,7 @@ LAYERS = (
     ("kvviz.runtime",),
     ("kvviz.methods",),
     ("kvviz.planning",),
-    ("kvviz.engine",),
+    ("kvviz.comparison",),
     ("kvviz.studies",),
     ("kvviz.runs",),
     ("kvviz.lessons",),

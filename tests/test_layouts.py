@@ -141,7 +141,7 @@ def test_the_share_freed_is_read_against_full_in_the_same_layout():
 @pytest.mark.slow
 def test_on_the_real_model_a_2k_prompt_shows_what_each_layout_eats(real_model):
     """The issue's acceptance on SmolLM2 (30 layers x 3 KV heads), hamlet's first 2,000 tokens, blocks of 16."""
-    from kvviz.engine.session import compare
+    from kvviz.comparison.session import compare
     from kvviz.studies.perplexity import play_text
 
     ids = real_model.tokenizer(play_text("hamlet"))["input_ids"][:2000]

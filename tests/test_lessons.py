@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from kvviz.engine.session import compare
+from kvviz.comparison.session import compare
 from kvviz.lessons import NEEDLE_CODE, RUNS, is_filler_token, span_of, step_requests
 from kvviz.runs import CompareRequest
 
@@ -58,7 +58,7 @@ def test_each_step_runs_the_requests_the_bench_times(real_model, monkeypatch):
         asked.append(request)
         if isinstance(request, CompareRequest):
             raise _Stopped
-        return request.compute(loaded)
+        return request.run(loaded)
 
     monkeypatch.setattr(results, "result_for", record)
     expected = step_requests(real_model)

@@ -1,6 +1,6 @@
-"""Many students at once: a class of 30 real Streamlit sessions through the shared queue, and a soak.
+"""Many students at once: a class of 30 real Streamlit sessions submitting to the model's engine, and a soak.
 
-Bounded and local: in-process AppTest sessions (one server's caches and queue), no network traffic.
+Bounded and local: in-process AppTest sessions (one server's caches and engine), no network traffic.
 """
 
 import gc
@@ -13,11 +13,12 @@ import pytest
 import torch
 from streamlit.testing.v1 import AppTest
 
-from kvviz.engine.results import MethodResult
-from kvviz.engine.session import compare, encode_prompt
+from kvviz.comparison.results import MethodResult
+from kvviz.comparison.session import compare, encode_prompt
 from kvviz.planning.classroom import ClassRun, percentile, project_class
-from kvviz.runtime.engine import shared_forwards, shared_prefills
-from kvviz.runtime.scheduler import Scheduler
+from kvviz.runtime.admission import ONE_AT_A_TIME, RunSize
+from kvviz.runtime.engine import Engine
+from kvviz.runtime.jobs import Job, Stage, Status
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = ["full", "window:window=12"]
@@ -86,11 +87,12 @@ def runtime_kept_between_runs(monkeypatch):
 @pytest.mark.slow
 def test_a_class_of_30_decoding_together_all_finish_fairly_with_single_user_results(real_model, one_script_cache,
                                                                                     runtime_kept_between_runs):
-    """Each AppTest is its own session with its own id in the queue, as each browser tab is."""
-    from kvviz_app.progress_ui import run_queue
+    """Each AppTest is its own session with its own id in the engine's line, as each browser tab is."""
+    from kvviz.runtime.settings import DEFAULT_MODEL
+    from kvviz_app.chrome import cached_model
 
-    queue = run_queue()
-    already, shared_before, prefills_before = len(queue.history), shared_forwards(), shared_prefills()
+    engine = cached_model(DEFAULT_MODEL).engine  # the server's model, which every page reads
+    already, shared_before, prefills_before = len(engine.history), engine.shared_forwards, engine.shared_prefills
     # pages open first (AppTest set-up is not thread-safe), then every student presses Run at once
     apps = {prompt: _compare_page(prompt) for prompt in PROMPTS}
     apps |= {f"lesson {i}": _lesson_page() for i in range(LESSON_STUDENTS)}
@@ -115,10 +117,10 @@ def test_a_class_of_30_decoding_together_all_finish_fairly_with_single_user_resu
         else:
             assert app.dataframe, f"{name}: no results shown"
 
-    runs = list(queue.history)[already:]
-    assert all(t.status == "done" for t in runs)
-    assert shared_forwards() > shared_before, "students' comparisons decoded in merged batches"
-    assert shared_prefills() > prefills_before, "students' prompts prefilled in shared forwards"
+    runs = list(engine.history)[already:]
+    assert all(t.status is Status.DONE for t in runs)
+    assert engine.shared_forwards > shared_before, "students' comparisons decoded in merged batches"
+    assert engine.shared_prefills > prefills_before, "students' prompts prefilled in shared forwards"
     # every comparison ran once; the five identical lesson runs ran at most once (the others waited for its result,
     # and an earlier test may have stored it already)
     assert len({t.user for t in runs}) == len(runs) and len(runs) - len(PROMPTS) in (0, 1)
@@ -146,16 +148,23 @@ def test_a_class_of_30_decoding_together_all_finish_fairly_with_single_user_resu
             assert (-1 if pd.isna(row["first divergence"]) else row["first divergence"]) == expected
 
 
-def test_queue_order_is_fair_under_load():
-    queue = Scheduler()
-    gate = threading.Event()
-    order: list[str] = []
-    queue.submit("teacher", lambda progress: gate.wait(5))
-    tickets = [queue.submit(user, lambda progress, user=user: order.append(user))
-               for user in ["ann", "ann", "ann", "bob", "cat", "bob"]]
+def _records(order: list[str], user: str, gate: threading.Event | None = None) -> Job:
+    def steps(progress):
+        while gate is not None and not gate.is_set():
+            yield Stage.MEASURE
+        order.append(user)
+        yield Stage.MEASURE
+
+    return Job(steps, RunSize())
+
+
+def test_the_engines_order_is_fair_under_load():
+    engine, gate, order = Engine(None, "cpu", admission=ONE_AT_A_TIME), threading.Event(), []
+    engine.submit(_records([], "teacher", gate), "teacher")
+    handles = [engine.submit(_records(order, user), user) for user in ["ann", "ann", "ann", "bob", "cat", "bob"]]
     gate.set()
-    for ticket in tickets:
-        assert ticket.done.wait(5)
+    for handle in handles:
+        handle.result(5)
     assert order == ["ann", "bob", "cat", "ann", "bob", "ann"]
 
 
@@ -182,17 +191,15 @@ def _live(kind: type) -> int:
 
 @pytest.mark.slow
 def test_soak_repeated_runs_do_not_grow_memory(real_model):
-    """A server runs for a whole class: finished runs must leave nothing behind but the queue's small records.
+    """A server runs for a whole class: finished runs must leave nothing behind but the engine's small records.
 
     The precise check is what Python still reaches (tensors, results); the process's resident memory is a coarse
     guard for native leaks, with room for the allocator's own drift (it measured 15-87 MB over 8 runs)."""
     ids = encode_prompt(real_model.tokenizer, "Describe the sea in one line.", chat=True)
-    queue = Scheduler(abandon_after=None)  # nobody polls here: a slow run on a busy machine is not a closed page
     specs = ["full", "h2o:heavy=8,recent=8", "kivi:bits=2,residual=0"]
 
     def one_run() -> None:
-        ticket = queue.submit("soak", lambda progress: compare(real_model, ids, specs, 6, progress=progress))
-        assert ticket.done.wait(300) and ticket.status == "done", ticket.error
+        assert compare(real_model, ids, specs, 6).by_method("full").error is None
 
     for _ in range(2):  # warm-up: allocator pools and lazy imports settle
         one_run()

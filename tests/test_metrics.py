@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kvviz.engine.metrics import forced_comparison, kl_per_step
-from kvviz.engine.session import PromptSession, compare
+from kvviz.comparison.metrics import forced_comparison, kl_per_step
+from kvviz.comparison.session import PromptSession, compare
 from kvviz.methods import REGISTRY
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvviz.cache.ledger import EvictionLedger
-from kvviz.engine.session import PromptError, PromptSession
+from kvviz.comparison.session import PromptError, PromptSession
 from kvviz.methods import REGISTRY
 from kvviz.studies.needle import NeedleCell, build_needle_prompt, needle_eviction, run_needle_grid
 

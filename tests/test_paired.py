@@ -149,3 +149,16 @@ def test_the_plan_is_a_power_calculation_of_the_design():
     assert "Adaptive, up to 256 items in rounds of 16, 3 families" in adaptive.sentence()
     with pytest.raises(ValueError, match="a margin of 0 points"):
         plan(32, 0.0)
+
+
+def test_the_verdicts_find_full_by_its_spec_not_by_its_place():
+    """Full is found in one place (verdicts.full_point, which SweepReport.full reads): a report whose points list
+    full second judges every point as the one that lists it first."""
+    full, ours = shuffled(200, 150, 30)
+    first = report_of({"full": full, "f:2": ours, "f:4": ours})
+    moved = report_of({"f:2": ours, "full": full, "f:4": ours})
+    assert moved.full is moved.points[1] and moved.full.paired is None
+    by_spec = {p.spec: p for p in moved.points}
+    for point in first.points[1:]:
+        assert by_spec[point.spec].paired.verdict == point.paired.verdict
+    assert moved.summary == first.summary

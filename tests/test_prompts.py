@@ -2,8 +2,8 @@
 
 import pytest
 
-from kvviz.engine.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
-from kvviz.engine.session import PromptError
+from kvviz.comparison.prompts import LengthCheck, decode_upload, prompt_limit, truncate_middle
+from kvviz.comparison.session import PromptError
 
 
 def test_good_upload_is_decoded_with_or_without_bom():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvviz.engine.session import PromptError, PromptSession, compare, encode_prompt
+from kvviz.comparison.session import PromptError, PromptSession, compare, encode_prompt
 from kvviz.planning.memory import model_card
 
 

@@ -10,6 +10,8 @@ from streamlit.testing.v1 import AppTest
 
 import kvviz.runs
 from kvviz.runs import CompareRequest, ResultStore, RunRequest
+from kvviz.runtime.admission import RunSize
+from kvviz.runtime.jobs import Job, Stage
 from kvviz.runtime.models import LoadedModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,9 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 class CountingRequest(RunRequest):
     kind: ClassVar[str] = "counting"
     value: int
-    calls: list = field(default_factory=list, repr=False, compare=False)  # where compute() records that it ran
+    calls: list = field(default_factory=list, repr=False, compare=False)  # where its job records that it ran
 
-    def compute(self, loaded, progress=None):
+    def job(self, loaded) -> Job:
+        return Job(self.steps, RunSize())
+
+    def steps(self, progress):
+        yield Stage.MEASURE
         self.calls.append(self.value)
         return {"value": self.value, "tensor": torch.arange(self.value)}
 
@@ -80,10 +86,10 @@ def test_page_opened_after_warm_up_does_not_run_the_model(real_model, monkeypatc
     assert [r.error for r in runs] == [None] and runs[0].buttons == 1
     recent_results.clear()  # a new server process: nothing in memory, only the store on disk
 
-    def no_model(self, loaded, progress=None):
+    def no_model(self, loaded):
         raise AssertionError("the page ran the model although the warm-up stored its run")
 
-    monkeypatch.setattr(CompareRequest, "compute", no_model)
+    monkeypatch.setattr(CompareRequest, "job", no_model)
     app = AppTest.from_file(str(ROOT / "views" / "2_Compare.py"), default_timeout=120).run()
     next(b for b in app.button if b.proto.type == "primary").click().run()
     assert not app.exception and not app.error, [e.value for e in app.error]
@@ -107,7 +113,23 @@ def test_attention_request_reports_each_layer_as_its_prefill_passes_it(tiny_mode
     from kvviz.runs import AttentionRequest
 
     reports: list[tuple[float, str]] = []
-    stats = AttentionRequest(tuple(story_ids[:40]), layer=1, sink_tokens=1).compute(
+    stats = AttentionRequest(tuple(story_ids[:40]), layer=1, sink_tokens=1).run(
         tiny_model, lambda fraction, message: reports.append((fraction, message)))
     assert reports == [(0.5, "layer 1 of 2"), (1.0, "layer 2 of 2")]
     assert stats.sink_mass[1].shape[-1] == 40
+
+
+def test_a_notebook_holds_the_same_handle_as_the_app_and_takes_no_lock(tiny_model, story_ids):
+    from kvviz.runtime.jobs import Cancelled, Status
+
+    request = CompareRequest(tuple(story_ids[:30]), ("full", "window:window=8"), 3)
+    handle = request.submit(tiny_model)
+    assert handle.status in (Status.WAITING, Status.RUNNING, Status.DONE)
+    comparison = handle.result(120)
+    assert handle.status is Status.DONE and handle.fraction == 1.0
+    assert [r.method for r in comparison.results] == ["full", "window:window=8"]
+    long = CompareRequest(tuple(story_ids[:30]), ("full", "window:window=8"), 200).submit(tiny_model)
+    long.cancel()
+    with pytest.raises(Cancelled):
+        long.result(60)
+    assert long.status is Status.CANCELLED

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvviz.engine import startup
+from kvviz.comparison import startup
 from kvviz.methods.kvpress import catalog
 from kvviz.runtime.models import DEFAULT_MODEL, load_model, ready
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _process_state() -> tuple:
-    return (gc.isenabled(), gc.get_threshold(), gc.get_freeze_count(), dict(os.environ), catalog._own[0])
+    return (gc.isenabled(), gc.get_threshold(), gc.get_freeze_count(), dict(os.environ), catalog.own_presses())
 
 
 @pytest.fixture
@@ -47,14 +47,14 @@ def test_loading_a_model_changes_nothing_process_wide(c_calls, real_model):
 
 
 def test_the_server_starts_once_with_its_settings(monkeypatch):
-    monkeypatch.setattr(startup, "_started", [])
+    monkeypatch.setattr(startup, "_SERVER", startup._Server())
     monkeypatch.setenv("KVVIZ_PRESSES", "tests.own_presses.KeyScalingPress")
     try:
         settings = startup.start_server()
-        assert catalog._own[0].paths == ("tests.own_presses.KeyScalingPress",)
+        assert catalog.own_presses().paths == ("tests.own_presses.KeyScalingPress",)
         monkeypatch.setenv("KVVIZ_PRESSES", "")
         assert startup.start_server() is settings, "once per process: a rerun of app.py changes nothing"
-        assert catalog._own[0].paths == ("tests.own_presses.KeyScalingPress",)
+        assert catalog.own_presses().paths == ("tests.own_presses.KeyScalingPress",)
     finally:
         catalog.configure_presses((), True)
 
@@ -63,13 +63,14 @@ def test_the_app_entry_starts_the_server_and_the_pages_only_read_settings():
     assert "start_server()" in (ROOT / "app.py").read_text()
     from kvviz_app import chrome
 
-    before = catalog._own[0]
+    before = catalog.own_presses()
     chrome.settings()
-    assert catalog._own[0] is before, "a page's getter does not replace the catalog"
+    assert catalog.own_presses() is before, "a page's getter does not replace the catalog"
 
 
 def test_streamlits_full_collection_after_every_rerun_is_off_in_the_served_config(monkeypatch):
-    """It walked 0.55 M objects (0.4 s) after each rerun once torch and a model were loaded (kvviz/engine/startup.py);
+    """It walked 0.55 M objects (0.4 s) after each rerun once torch and a model were loaded
+    (kvviz/comparison/startup.py);
     a plain `streamlit run app.py` reads .streamlit/config.toml from the folder it starts in."""
     from streamlit import config
 
@@ -79,3 +80,15 @@ def test_streamlits_full_collection_after_every_rerun_is_off_in_the_served_confi
         assert config.get_option("runner.postScriptGC") is False
     finally:
         config.get_config_options(force_reparse=True)
+
+
+def test_only_a_local_ray_start_writes_the_environment():
+    """architecture.md: the process-wide settings are the start-up's, and a local Ray instance's loopback switch,
+    which Ray reads once when it is imported; no other module writes the environment."""
+    import re
+
+    writes = re.compile(r"os\.environ\[[^]]+\]\s*=[^=]|os\.environ\.(setdefault|update|pop|clear)\(|os\.putenv\(")
+    writers = sorted(str(path.relative_to(ROOT)) for folder in ("kvviz", "kvviz_app", "views")
+                     for path in (ROOT / folder).rglob("*.py") if writes.search(path.read_text()))
+    assert writers == ["kvviz/runtime/cluster.py"]
+    assert 'os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"' in (ROOT / "kvviz/runtime/cluster.py").read_text()

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from kvviz.engine.batched import teacher_forced
-from kvviz.engine.session import compare
+from kvviz.comparison.batched import teacher_forced
+from kvviz.comparison.session import compare
 from kvviz.methods import Sizing, SpecError
 from kvviz.studies.frontier import AGREEMENT, PERPLEXITY, on_frontier
 from kvviz.studies.sweep import (
@@ -219,7 +219,7 @@ def test_a_play_streams_every_configuration_together_as_each_streams_alone(tiny_
 
 
 def test_a_prompt_set_with_answers_scores_accuracy_on_every_prompt_and_agreement_per_prompt(real_model):
-    from kvviz.engine.prompts import PromptLine
+    from kvviz.comparison.prompts import PromptLine
     from kvviz.lessons import STORY_QUESTION
 
     lines = [PromptLine("story", STORY_QUESTION, "Ines"),

@@ -3,8 +3,8 @@
 
 import pytest
 
-from kvviz.engine.prompts import PromptLine, parse_prompt_lines, read_prompt_set
-from kvviz.engine.session import PromptError
+from kvviz.comparison.prompts import PromptLine, parse_prompt_lines, read_prompt_set
+from kvviz.comparison.session import PromptError
 from kvviz.studies.intervals import bootstrap_mean, percentile, wilson
 from kvviz.studies.sweep import SweepReport, check_sweep
 from kvviz.studies.tail_items import item_from_id, stream_items

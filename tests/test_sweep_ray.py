@@ -19,7 +19,7 @@ from kvviz.runtime.cluster import ClusterConfig, ClusterError, ModelSource, Work
 from kvviz.runtime.models import load_model  # noqa: E402
 from kvviz.studies.sweep import run_sweep  # noqa: E402
 from kvviz.studies.sweep_measure import unit_order  # noqa: E402
-from kvviz.studies.sweep_ray import KEPT, sharded_rows  # noqa: E402
+from kvviz.studies.sweep_ray import WORKER_POOLS, sharded_rows  # noqa: E402
 from kvviz.studies.workloads import PromptCase, PromptWorkload  # noqa: E402
 
 SPECS = ["snapkv", "kivi:residual=0"]
@@ -32,7 +32,7 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     assert ray.util.get_node_ip_address() == "127.0.0.1", "the variable alone keeps a local node on loopback"
     yield
-    KEPT.close()
+    WORKER_POOLS.close()
     disconnect()
 
 
@@ -90,7 +90,7 @@ def test_a_ray_sweep_reports_what_the_process_does_and_resumes_from_stored_shard
 def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(cluster, folder, loaded, tmp_path):
     workload = prompt_set(6)
     config, source = ClusterConfig(workers=2, shard_items=1, keep_seconds=60), ModelSource(str(folder), "cpu")
-    with KEPT.lease(config, source) as pool:
+    with WORKER_POOLS.lease(config, source) as pool:
         first = pool.pids()
     killed: list[int] = []
 
@@ -103,7 +103,7 @@ def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(clust
     store = ResultStore(tmp_path)
     report = run_sweep(loaded, workload, SPECS, BUDGETS, kill_on_first_shard,
                        sharded_rows(config, source, workload, store))
-    assert KEPT.kept() == [pool], "the sweep ran on the kept workers and kept them again"
+    assert WORKER_POOLS.kept() == [pool], "the sweep ran on the kept workers and kept them again"
     assert killed and set(pool.pids()).isdisjoint(first)  # Ray restarted both workers
     assert report.shard_run.shards == 6 and report.shard_run.shards_reused == 0
     order = [f"p{unit[0]}" for unit in unit_order(workload)]  # the prompts in the order the sweep uses them
@@ -115,7 +115,7 @@ def test_a_worker_killed_mid_sweep_loses_nothing_and_counts_each_item_once(clust
 
 
 def test_a_worker_without_the_model_is_named_and_the_start_gives_its_cpus_back(cluster):
-    KEPT.close()
+    WORKER_POOLS.close()
     with pytest.raises(ClusterError, match=r"^worker 127\.0\.0\.1 \(pid \d+\) cannot load kvviz-test/no-such-model"):
         WorkerPool(ClusterConfig(workers=2), ModelSource("kvviz-test/no-such-model", "cpu"))
     deadline = time.monotonic() + 10
@@ -141,4 +141,69 @@ def test_with_a_ray_address_the_trade_offs_page_sweeps_on_the_cluster(cluster, m
     app = sweep(opened(), "streaming_llm", 0.25, "needle", 2)
     assert "configurations on 2 needle items" in app.success[0].value
     assert any(f"Measured on the Ray cluster: 2 shards on 1 Ray worker ({here})" in str(c.value) for c in app.caption)
-    assert len(KEPT.kept()) == 1, "the server keeps its workers for the next sweep"
+    assert len(WORKER_POOLS.kept()) == 1, "the server keeps its workers for the next sweep"
+
+
+def test_a_second_users_comparison_beside_a_ray_sweep_takes_about_what_it_takes_alone(cluster, folder, real_model):
+    """While a sweep of 4 shards runs on the cluster, submitted as the Trade-offs page submits it, the sweep holds no
+    place in the server's engine: another student's short comparison is admitted at once and finishes within 1.5x of
+    its time alone (before, the sweep held the model for its whole length and the student waited for all of it)."""
+    import statistics
+
+    from kvviz.comparison.session import encode_prompt
+    from kvviz.runs import CompareRequest, SweepRequest
+    from kvviz.runtime.jobs import Status
+
+    engine = real_model.engine
+    here = ray.get_runtime_context().gcs_address
+    sweep = SweepRequest(prompt_set(16), tuple(SPECS), tuple(BUDGETS), ClusterConfig(here, workers=1, shard_items=4),
+                         ModelSource(str(folder), "cpu"))
+    student = CompareRequest(tuple(encode_prompt(real_model.tokenizer, "Name two planets.", chat=True)),
+                             ("full", "window:window=12"), 3)
+
+    def comparison_seconds() -> float:
+        started = time.perf_counter()
+        engine.submit(student.job(real_model), "student").result(120)
+        return time.perf_counter() - started
+
+    comparison_seconds()  # warm-up
+    alone = [comparison_seconds() for _ in range(3)]
+    running = engine.submit(sweep.job(real_model), "teacher", abandon_after=None)
+    deadline = time.monotonic() + 120
+    while not running.message.startswith("shard 0 of 4") and time.monotonic() < deadline:  # its worker is up
+        time.sleep(0.05)
+    beside = comparison_seconds()
+    assert running.status is Status.ELSEWHERE, "the sweep was still waiting on its shards when the student's run ended"
+    report = running.result(300)
+    alone.append(comparison_seconds())
+    assert report.shard_run.shards == 4
+    ratio = beside / statistics.median(alone)
+    print(f"a student's comparison beside a 4-shard Ray sweep: {beside:.2f} s, alone {statistics.median(alone):.2f} s "
+          f"({ratio:.2f}x)")
+    assert ratio <= 1.5, f"{beside:.2f} s beside the sweep against {statistics.median(alone):.2f} s alone"
+
+
+def test_a_cancelled_ray_sweep_stops_giving_out_shards_and_its_workers_go_back(cluster, folder, real_model,
+                                                                                tmp_path, monkeypatch):
+    from kvviz.runs import SweepRequest
+    from kvviz.runtime.jobs import Cancelled, Status
+
+    monkeypatch.setenv("KVVIZ_RESULTS", str(tmp_path / "store"))
+    here = ray.get_runtime_context().gcs_address
+    cases = [PromptCase(f"p{i}", "", tuple(range(100 + i, 400 + i))) for i in range(24)]
+    workload = PromptWorkload(tuple(cases), max_new_tokens=48)  # shards long enough to cancel between them
+    sweep = SweepRequest(workload, tuple(SPECS), tuple(BUDGETS), ClusterConfig(here, workers=1, shard_items=2),
+                         ModelSource(str(folder), "cpu"))
+    running = real_model.engine.submit(sweep.job(real_model), "teacher")
+    deadline = time.monotonic() + 120
+    while not running.message.startswith("shard 1 of 12") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    running.cancel()
+    with pytest.raises(Cancelled):
+        running.result(5)
+    assert running.status is Status.CANCELLED
+    deadline = time.monotonic() + 20
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) == 2, "the sweep's worker was released"
+    assert len(list((tmp_path / "store" / "sweep_shard").glob("*.pkl"))) < 12, "no shard given out after the cancel"

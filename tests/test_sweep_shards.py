@@ -71,3 +71,21 @@ def test_ray_options_are_checked_before_any_model_work(capsys, monkeypatch):
 def test_the_app_reads_its_cluster_from_the_environment():
     assert Settings.from_env({"KVVIZ_RAY_ADDRESS": " ray://head:10001 "}).ray_address == "ray://head:10001"
     assert Settings.from_env({}).ray_address == ""
+
+
+def test_a_points_measures_are_a_typed_record_written_in_one_place():
+    """Measuring gives each point a Measures record (every field a SweepPoint field of the same type), and
+    fill_points is the one place that writes them: no module assigns a measure to a point itself."""
+    import re
+    from dataclasses import fields
+
+    from kvviz.studies.sweep import SweepPoint
+    from kvviz.studies.sweep_measure import MEASURE_FIELDS, Measures
+
+    point_types = {f.name: f.type for f in fields(SweepPoint)}
+    assert all(point_types.get(f.name) == f.type for f in fields(Measures)), "a measure SweepPoint lacks or types apart"
+    assigned = re.compile(r"\.(" + "|".join(MEASURE_FIELDS) + r")\s*(,[^=\n]*)?=[^=]")
+    writers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "kvviz").rglob("*.py")
+                     if any(assigned.search(line) and "point" in line.split("=")[0]
+                            for line in path.read_text().splitlines()))
+    assert writers == []

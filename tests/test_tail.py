@@ -6,7 +6,7 @@ import torch
 from kvviz.cache.ledger import KEPT, EvictionLedger
 from kvviz.cache.protect import with_protected
 from kvviz.cache.storage import KeptRanges
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import REGISTRY, SpecError, budget_spec, parse_spec
 from kvviz.studies.tail import TailCell, run_tail
 from kvviz.studies.tail_attribution import failure_cause, span_fates

@@ -1,15 +1,14 @@
-"""Runs of different users decoding together (kvviz.runtime.together, in the engine's running batch): one forward
-per step for every run's rows, runs joining and leaving mid-batch, each run's result equal to the same run alone,
-token for token."""
+"""Runs of different users decoding together (the engine's running batch and shared prefill, kvviz.runtime.engine
+and kvviz.runtime.together): one forward per step for every run's rows, runs joining and leaving mid-batch, each
+run's result equal to the same run alone, token for token."""
 
-import threading
-import time
-
-from kvviz.engine.session import PromptSession, compare
+from kvviz.comparison.session import PromptSession, compare, compare_job
 from kvviz.methods import parse_spec
 from kvviz.methods.window import Window
 from kvviz.runtime import prefill
+from kvviz.runtime.admission import RunSize
 from kvviz.runtime.batch import DecodeGroup, Row
+from kvviz.runtime.jobs import Cancelled, Decode, Job
 from kvviz.runtime.replay import Sampling
 from tests.test_batched import assert_same_rows
 
@@ -17,29 +16,19 @@ FIRST_SPECS = ["window:window=8", "h2o:heavy=4,recent=4", "snapkv:budget=16,wind
 SECOND_SPECS = ["streaming_llm:sinks=2,window=6", "tova:budget=10", "window:window=8"]
 
 
-class Stop(Exception):
-    """What a cancelled run's progress report raises (the app's queue raises its own Cancelled)."""
-
-
-def together(loaded, runs: list[dict]) -> list:
-    """Start the runs in threads while the model is held, so their prefills line up in order at its engine and every
-    later run joins the batch the first one decodes in; return each run's comparison (or the exception it raised)."""
-    outcomes: list = [None] * len(runs)
-
-    def run(index: int) -> None:
+def together(loaded, runs: list[dict], listeners: list | None = None) -> list:
+    """The runs' jobs submitted at once by as many users, so the engine admits them in one schedule: their prompts
+    line up for its shared prefill and they decode in one running batch; each run's comparison (or its error)."""
+    jobs = [compare_job(loaded, **run) for run in runs]
+    handles = loaded.engine.submit_all(jobs, [f"user-{index}" for index in range(len(runs))])
+    for handle, listener in zip(handles, listeners or [None] * len(runs), strict=True):
+        handle.listener = listener and (lambda f, m, handle=handle, listener=listener: listener(handle, m))
+    outcomes = []
+    for handle in handles:
         try:
-            outcomes[index] = compare(loaded, **runs[index])
+            outcomes.append(handle.result(300))
         except Exception as error:  # noqa: BLE001 - the test reads it
-            outcomes[index] = error
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(runs))]
-    with loaded.lock:
-        for count, thread in enumerate(threads, start=1):
-            thread.start()
-            while loaded.engine.waiting < count:  # each run's prefill handed to the engine before the next starts
-                time.sleep(0.005)
-    for thread in threads:
-        thread.join(300)
+            outcomes.append(error)
     return outcomes
 
 
@@ -57,34 +46,30 @@ def test_two_prompts_of_different_lengths_in_one_batch_give_each_its_results_alo
         assert len(outcome.by_method("full").token_ids) == run["max_new_tokens"]
 
 
-def test_a_group_reads_unfinished_to_other_threads_while_its_step_still_chooses_tokens(tiny_model, story_ids):
-    """The running batch's other threads poll ``finished`` while one thread steps every group: a run that returned
-    as soon as its first step began would report the text of one token while its rows decode on (seen once in CI)."""
-    seen_while_choosing: list[bool] = []
-
-    class Watched(Sampling):
-        def choose(self, logits, generator):
-            seen_while_choosing.append(group.finished)
-            return super().choose(logits, generator)
-
+def test_a_run_resumes_once_its_group_finished_not_after_its_first_step(tiny_model, story_ids):
+    """A run's steps wait while its group decodes in the running batch: they see every row's tokens when they
+    resume (a run that came back after its first step would report the text of one token)."""
     session = PromptSession(tiny_model, story_ids[:30])
     first_logits = session.prefill().last_logits
     rows = [Row(parse_spec(spec), session.fork(parse_spec(spec)), first_logits) for spec in ("full", "window:window=8")]
-    group = DecodeGroup(rows, 4, set(), Watched())
-    tiny_model.engine.decode(group)
-    assert len(seen_while_choosing) == 4 * len(rows) and not any(seen_while_choosing)
-    assert group.finished and [len(row.trace.token_ids) for row in rows] == [4, 4]
+    group = DecodeGroup(rows, 4, set(), Sampling())
+
+    def decodes(progress):
+        yield Decode([group])
+        return [len(row.trace.token_ids) for row in rows]
+
+    assert tiny_model.engine.run(Job(decodes, RunSize(60, "cpu"))) == [4, 4] and group.finished
 
 
 def test_a_run_cancelled_mid_batch_leaves_and_the_other_finishes_as_alone(tiny_model, story_ids):
-    def cancel_at_token_3(fraction: float, message: str) -> None:
+    def cancel_at_token_3(handle, message: str) -> None:
         if message.startswith("token 3/"):
-            raise Stop
+            handle.cancel()  # its user presses Cancel: the run leaves before the next forward
 
     runs = [dict(prompt_ids=story_ids[:50], specs=FIRST_SPECS, max_new_tokens=8),
-            dict(prompt_ids=story_ids[10:70], specs=SECOND_SPECS, max_new_tokens=8, progress=cancel_at_token_3)]
-    kept, cancelled = together(tiny_model, runs)
-    assert isinstance(cancelled, Stop)
+            dict(prompt_ids=story_ids[10:70], specs=SECOND_SPECS, max_new_tokens=8)]
+    kept, cancelled = together(tiny_model, runs, [None, cancel_at_token_3])
+    assert isinstance(cancelled, Cancelled)
     assert_same_rows(kept, compare(tiny_model, **runs[0], batched=False))
 
 
@@ -110,15 +95,15 @@ def test_one_users_failing_method_does_not_touch_another_users_run(tiny_model, s
 
 
 def test_prompts_waiting_together_share_one_prefill_and_each_run_equals_alone(tiny_model, story_ids):
-    prefills = tiny_model.prefills
-    forwards, shared = prefills.forwards, prefills.shared_forwards
+    engine = tiny_model.engine
+    forwards, shared = engine.prefills, engine.shared_prefills
     specs = ["window:window=8", "kivi:bits=2", "streaming_llm:sinks=2,window=6"]  # nothing records the prompt
     runs = [dict(prompt_ids=story_ids[:31], specs=specs, max_new_tokens=6),
             dict(prompt_ids=story_ids[40:83], specs=specs[:1], max_new_tokens=3),
             dict(prompt_ids=story_ids[7:27], specs=specs[1:], max_new_tokens=5),
             dict(prompt_ids=story_ids[:50], specs=["snapkv:budget=16,window=4"], max_new_tokens=4)]
     outcomes = together(tiny_model, runs)
-    assert (prefills.forwards - forwards, prefills.shared_forwards - shared) == (1, 1), \
+    assert (engine.prefills - forwards, engine.shared_prefills - shared) == (1, 1), \
         "the three prompts nobody records shared one forward; SnapKV's capture prefilled on its own"
     for outcome, run in zip(outcomes, runs, strict=True):
         assert_same_rows(outcome, compare(tiny_model, **run, batched=False))
@@ -134,27 +119,3 @@ def test_a_shared_prefill_that_fails_fails_every_run_in_it(tiny_model, story_ids
     assert [str(outcome) for outcome in outcomes] == ["simulated: out of memory"] * 2
     monkeypatch.undo()
     assert compare(tiny_model, **runs[0]).by_method("full").error is None, "the model serves the next run"
-
-
-def test_a_caller_holding_the_model_decodes_alone(tiny_model, story_ids):
-    with tiny_model.lock:
-        held = compare(tiny_model, story_ids[:30], ["window:window=6"], 4)
-    assert_same_rows(held, compare(tiny_model, story_ids[:30], ["window:window=6"], 4, batched=False))
-
-
-def test_the_model_lock_serves_waiters_in_arrival_order(tiny_model):
-    waiters = 3
-    order: list[int] = []
-    lock = type(tiny_model.lock)()
-    threads = [threading.Thread(target=lambda i=i: (lock.acquire(), order.append(i), lock.release()))
-               for i in range(waiters)]
-    with lock:
-        for count, thread in enumerate(threads, start=1):
-            thread.start()
-            while lock.waiting < count:
-                time.sleep(0.005)
-        with lock:  # reentrant
-            assert lock.held()
-    for thread in threads:
-        thread.join(5)
-    assert order == list(range(waiters))

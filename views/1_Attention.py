@@ -8,7 +8,7 @@ from kvviz_app import plots
 from kvviz_app.chrome import page_header, require_model, settings
 from kvviz_app.inputs import chat_setting, encode, prompt_input, token_texts
 from kvviz_app.results import result_for
-from kvviz_app.url import linked, number_setting, read_number, share_settings
+from kvviz_app.url import choice_setting, flag_setting, linked, number_setting, read_number, share_settings
 
 DEFAULT_PROMPT = (
     "The committee met on Tuesday to decide where the new bridge should go. The engineers preferred the northern "
@@ -22,7 +22,7 @@ page_header("Attention", "Where attention goes",
             f"lands on the first tokens (sinks), which tokens receive the most (heavy hitters), and what each head's "
             f"pattern looks like. Attention matrices are block-averaged to at most {MATRIX_SIZE} bins a side; prompts "
             f"over this server's limit ({settings().max_prompt_tokens:,} tokens) are refused unless you let the page "
-            "cut their middle.", link_settings=("chat", "sinks", "layer", "head", "prompt"))
+            "cut their middle.", link_settings=("chat", "sinks", "layer", "head", "prompt", "scope", "hidesinks"))
 
 loaded = require_model()
 card = model_card(loaded)
@@ -56,10 +56,13 @@ st.plotly_chart(plots.attention_heatmap(stats.matrices[(layer, head)], len(ids),
                                         f"Attention of layer {layer}, head {head}"), width="stretch")
 
 st.subheader("Heavy hitters")
-scope = st.radio("Score", ["this layer", "mean over all layers"], horizontal=True, key="scope",
-                 help="Attention each token receives per query that can see it, summed over heads. The mean over "
-                      "all layers runs the prompt again with explicit attention in every layer (slower).")
-hide_sinks = st.checkbox(f"Leave the first {sinks} tokens out of the colour scale", True, key="hide_sinks")
+scope = choice_setting("Score", "scope", ["this layer", "mean over all layers"], "this layer", key="scope",
+                       widget=st.radio, horizontal=True,
+                       help="Attention each token receives per query that can see it, summed over heads. The mean "
+                            "over all layers runs the prompt again with explicit attention in every layer (slower).")
+hide_sinks = flag_setting(f"Leave the first {sinks} tokens out of the colour scale", "hidesinks", True,
+                          key="hide_sinks")
+share_settings(scope=scope, hidesinks=hide_sinks)
 if scope == "this layer":
     scores = plots.received_attention(stats.key_attention[layer], int(sinks) if hide_sinks else 0)
 else:

@@ -7,7 +7,7 @@ import streamlit as st
 
 from kvviz.cache.layouts import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LABELS, MEANINGS
 from kvviz.cache.protocol import OnLocal
-from kvviz.engine.results import Comparison
+from kvviz.comparison.results import Comparison
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError, parse_spec
 from kvviz.planning.memory import model_card

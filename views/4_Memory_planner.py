@@ -20,7 +20,7 @@ from kvviz.studies.needle import build_needle_prompt
 from kvviz_app import plots
 from kvviz_app.chrome import model_link_notice, model_picker, page_header
 from kvviz_app.results import result_for
-from kvviz_app.url import choice_setting, number_setting, share_settings
+from kvviz_app.url import choice_setting, linked, number_setting, read_text, share_settings
 from kvviz_app.widgets import methods_of
 
 page_header("Memory planner", "Memory planner",
@@ -28,7 +28,7 @@ page_header("Memory planner", "Memory planner",
             "per token (MHA, GQA, MQA, MLA); eviction caps the tokens kept; quantization shrinks the bits per "
             "element. The three multiply. GB = 10⁹ bytes.",
             link_settings=("model_config", "context", "batch", "gpu", "wbits", "util", "evict", "budget", "ratio",
-                           "kvbits", "group", "residual"))
+                           "kvbits", "group", "residual", "qsource", "qspec", "layout", "block"))
 model_link_notice()  # the sidebar's model runs only in the measured section below
 
 catalog = load_catalog()
@@ -63,8 +63,8 @@ with left:
 
     st.markdown("**Quantization**")
     quantizers = methods_of("quantization")
-    source = st.radio("Bits from", ["generic", *(["a registered method"] if quantizers else [])], horizontal=True,
-                      key="qsource")
+    source = choice_setting("Bits from", "qsource", ["generic", *(["a registered method"] if quantizers else [])],
+                            "generic", key="qsource", widget=st.radio, horizontal=True)
     group, residual = 0, 0
     if source == "generic":
         bits = choice_setting("KV bits per element", "kvbits", [1, 2, 3, 4, 8, 16], 16, key="kvbits",
@@ -74,8 +74,9 @@ with left:
             residual = number_setting("Recent tokens kept at 16 bits (residual)", "residual", 0, 0, 1 << 16,
                                       key="residual")
     else:
-        spec = st.text_input("Quantization SPEC", quantizers[0], key="qspec",
-                             help=f"One of: {', '.join(quantizers)}, with parameters, e.g. kivi:bits=2")
+        spec = linked("qspec", read_text("qspec", quantizers[0]), lambda value: st.text_input(
+            "Quantization SPEC", value, key="qspec",
+            help=f"One of: {', '.join(quantizers)}, with parameters, e.g. kivi:bits=2"))
         try:
             bits = method_bits(spec, card.head_dim)
             st.caption(f"{spec}: {bits:.2f} bits per element, metadata included")
@@ -83,7 +84,8 @@ with left:
             st.error(str(error) or "this method does not report its bits per element")
             bits = 16
 share_settings(model_config=name, context=context, batch=int(batch), gpu=gpu, wbits=weight_bits, util=utilization,
-               evict=budget_kind, kvbits=bits if source == "generic" else 16,
+               evict=budget_kind, kvbits=bits if source == "generic" else 16, qsource=source,
+               **({"qspec": spec} if source != "generic" else {}),
                **({"group": int(group), "residual": int(residual)} if group else {}),
                **({"budget": int(budget)} if budget_kind == "tokens" else {}),
                **({"ratio": budget} if budget_kind == "ratio" else {}))
@@ -164,9 +166,12 @@ with st.expander(f"Serving layouts: a configuration measured on the loaded model
                "can give the slot back. Run one configuration on a 1,024-token prompt and see how many sequences "
                f"of {context:,} tokens each layout would fit on one {gpu}.")
     config_col, block_col = st.columns(2)
-    spec = config_col.selectbox("Configuration", LAYOUT_CONFIGS, key="planner_layout_spec")
-    block_size = block_col.selectbox("Block size (token slots)", BLOCK_SIZES, BLOCK_SIZES.index(DEFAULT_BLOCK_SIZE),
-                                     key="planner_block")
+    with config_col:
+        spec = choice_setting("Configuration", "layout", LAYOUT_CONFIGS, LAYOUT_CONFIGS[0], key="planner_layout_spec")
+    with block_col:
+        block_size = choice_setting("Block size (token slots)", "block", BLOCK_SIZES, DEFAULT_BLOCK_SIZE,
+                                    key="planner_block", cast=int)
+    share_settings(layout=spec, block=block_size)
     if st.toggle("Run it on the sidebar's model", key="planner_layouts"):
         loaded = model_picker()
         if loaded is not None:

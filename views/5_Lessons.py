@@ -11,7 +11,7 @@ import pandas as pd
 import streamlit as st
 
 from kvviz import lessons
-from kvviz.engine.results import Comparison, MethodResult
+from kvviz.comparison.results import Comparison, MethodResult
 from kvviz.lessons import NEEDLE_CODE, RUNS, SINKS, LessonRun, attention_request, axes_run, is_filler_token, span_of
 from kvviz.planning.memory import ModelCard, model_card
 from kvviz.runtime.embedded import EMBEDDED
@@ -20,7 +20,7 @@ from kvviz_app import plots
 from kvviz_app.chrome import cached_model, page_header, require_model
 from kvviz_app.inputs import encode, method_output, token_texts
 from kvviz_app.results import result_for, stays_pressed
-from kvviz_app.url import linked, read_number, share_settings
+from kvviz_app.url import choice_setting, linked, read_number, share_settings
 
 
 @dataclass(frozen=True)
@@ -314,8 +314,10 @@ Below, each knob alone is set to hold the same share of the full cache. Heads ar
 the latent is fitted on the prompt itself, with no retraining: real GQA and MLA models are trained that way, this
 shows what converting a model after the fact costs. The prompt hides a pass key in filler; the model must say it.
 """)
-    share = st.select_slider("Share of the full cache", [0.25, 1 / 3, 0.5, 2 / 3], value=1 / 3,
-                             format_func=lambda f: f"{f:.0%}", key="lesson_axes_share")
+    share = choice_setting("Share of the full cache", "share", [0.25, 1 / 3, 0.5, 2 / 3], 1 / 3,
+                           key="lesson_axes_share", widget=st.select_slider, cast=float,
+                           format_func=lambda f: f"{f:.0%}")
+    share_settings(share=share)
     run = axes_run(loaded, share)
     axes, prompt = run.axes, run.prompt
     st.caption(" · ".join(f"{axis}: `{spec}`" for axis, spec in axes.items()) + (
@@ -384,7 +386,7 @@ leave them). The formula, per layer type, then projects both to {lessons.ARCH_PR
 
 page_header("Lessons", f"Lessons: KV caches in {len(STEPS)} steps",
             "A walkthrough for a class. Read a step, press its button, and the real model runs on this server; "
-            "numbers and outputs are measured, not pre-recorded.", link_settings=("step",))
+            "numbers and outputs are measured, not pre-recorded.", link_settings=("step", "share"))
 
 loaded = require_model()
 card = model_card(loaded)

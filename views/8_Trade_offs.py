@@ -5,7 +5,7 @@ import json
 import streamlit as st
 
 from kvviz.cache.layouts import BLOCK_SIZES, DEFAULT_BLOCK_SIZE, LABELS, MEANINGS
-from kvviz.engine.session import PromptError
+from kvviz.comparison.session import PromptError
 from kvviz.lessons import STORY_QUESTION
 from kvviz.methods import REGISTRY, SpecError
 from kvviz.runs import SweepRequest
@@ -43,7 +43,7 @@ page_header("Trade-offs", "Trade-offs: quality against memory",
             "(your margin), beyond it, worse, or inconclusive. An adaptive run gives the next items only to the "
             "points still undecided. The recommendation is a proof, never a best guess.",
             link_settings=("w", "m", "b", "n", "chat", "prompt", "task", "len", "items", "seed", "play", "tokens",
-                           "margin", "tail", "block", "x", "design", "cap", "time"))
+                           "margin", "tail", "block", "x", "design", "cap", "time", "assumed"))
 
 loaded = require_model()
 limits = settings()
@@ -189,8 +189,10 @@ if planned_items is not None and adaptive is not None:
     planned_items = min(planned_items, adaptive.max_items)
 if planned_items is not None and problem is None:
     with st.expander("**What this run can decide**, before you run it: the power of its design, by simulation"):
-        assumed = st.slider("Full's accuracy, assumed", 0.5, 1.0, DEFAULT_FULL_ACCURACY, 0.05, key="sweep_assumed",
-                            help="The plan simulates this design many times with full right this often.")
+        assumed = number_setting("Full's accuracy, assumed", "assumed", DEFAULT_FULL_ACCURACY, 0.5, 1.0,
+                                 key="sweep_assumed", slider=True, step=0.05,
+                                 help="The plan simulates this design many times with full right this often.")
+        share_settings(assumed=assumed)
         planned = plan(planned_items, margin, max(1, len(families_run)), adaptive is not None, assumed)
         st.markdown(planned.sentence())
         st.caption(" ".join(f"{text[0].upper()}{text[1:]}." for text in planned.assumptions.values()))

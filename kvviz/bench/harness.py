@@ -22,7 +22,10 @@ from typing import TypeVar
 
 import torch
 
+from kvviz.runtime.admission import ALONE
+from kvviz.runtime.jobs import Job, Stage, Steps
 from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.progress import Progress
 
 Log = Callable[[str], None]
 T = TypeVar("T")
@@ -300,14 +303,14 @@ def shared_measurement(measure: Callable[[BenchRun], T]) -> Callable[[BenchRun],
 
 Runner = Callable[[BenchRun], Section]
 RUNNERS: dict[str, Runner] = {}  # in registration order, which is the order sections run in
-CLIENTS: set[str] = set()  # sections that act as the engine's clients (a scheduler's runs, a served app)
+CLIENTS: set[str] = set()  # sections that act as the engine's clients (a class's runs, a served app)
 
 
 def bench_section(name: str, client: bool = False) -> Callable[[Runner], Runner]:
     """Register a section's function under ``name`` (the name in ``--sections`` and in the report). A section runs
-    as one piece of the model engine's work, so kvviz's paths and their baselines compute on the same thread, the
-    engine's (:mod:`kvviz.runtime.engine`); a ``client`` section instead submits runs from threads of its own, as
-    the app's users do, and the engine serves them."""
+    as one job on the model's engine, holding the model for its whole length, so kvviz's paths and their baselines
+    compute on the same thread, the engine's (:mod:`kvviz.runtime.engine`); a ``client`` section instead submits
+    runs as the app's users do, and the engine serves them."""
 
     def register(runner: Runner) -> Runner:
         if name in RUNNERS:
@@ -353,7 +356,8 @@ def run_bench(loaded: LoadedModel, preset: str = "default", sections: Iterable[s
         section_started, load_before = time.perf_counter(), _load_average()
         try:
             runner = RUNNERS[name]
-            section = runner(run) if name in CLIENTS else loaded.engine.call(lambda runner=runner: runner(run))
+            section = runner(run) if name in CLIENTS else loaded.engine.run(
+                Job(functools.partial(_section_steps, runner, run), ALONE, name))
         except (RuntimeError, ValueError, ImportError, AttributeError, TypeError, KeyError) as error:
             section = Section(name, name, skipped=f"failed: {type(error).__name__}: {error}")
         section.seconds = round(time.perf_counter() - section_started, 2)
@@ -363,6 +367,12 @@ def run_bench(loaded: LoadedModel, preset: str = "default", sections: Iterable[s
         if on_section is not None:
             on_section(report)
     return report
+
+
+def _section_steps(runner: Runner, run: BenchRun, progress: Progress) -> Steps[Section]:
+    """A section as one step of a job: the model its own while it times kvviz's paths and their baselines."""
+    yield Stage.MEASURE
+    return runner(run)
 
 
 def _load_average() -> float | None:

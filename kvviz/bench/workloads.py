@@ -17,7 +17,7 @@ import torch
 
 from kvviz.bench.harness import sync
 from kvviz.cache.kvcache import KVCache
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel, ModelError, ready, resolve_device, resolve_dtype
 from kvviz.runtime.replay import decode

@@ -14,8 +14,8 @@ import sys
 import traceback
 
 from kvviz.cli.options import UsageError
-from kvviz.engine.session import PromptError
-from kvviz.engine.startup import apply_settings
+from kvviz.comparison.session import PromptError
+from kvviz.comparison.startup import apply_settings
 from kvviz.methods import SpecError
 from kvviz.runtime.models import ModelError
 from kvviz.runtime.settings import SettingsError

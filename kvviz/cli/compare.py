@@ -26,7 +26,7 @@ def add_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvviz.engine.session import encode_prompt
+    from kvviz.comparison.session import encode_prompt
     from kvviz.runs import CompareRequest
 
     specs = options.methods(args)

@@ -21,7 +21,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                         help=f"an embedded model ({', '.join(EMBEDDED)}; default {DEFAULT_MODEL}), a hub id or a "
                              "local folder (env KVVIZ_MODEL)")
     parser.add_argument("--device", default=None, help="auto (default; env KVVIZ_DEVICE), cpu, cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default=None, help="auto (bf16 on CUDA, fp32 elsewhere), float32, bfloat16")
+    parser.add_argument("--dtype", default=None, help="auto (bf16 on CUDA, fp32 elsewhere), float32, bfloat16, float16")
     parser.add_argument("--weights", default="auto", choices=WEIGHT_MODES,
                         help="bitsandbytes weight quantization: int8 or nf4 (default: model's dtype)")
     parser.add_argument("--trust-remote-code", action="store_true",

@@ -12,8 +12,8 @@ from kvviz.cache.layouts import LABELS
 from kvviz.cli import options
 from kvviz.cli.options import UsageError
 from kvviz.cli.output import progress_unless, write_json
-from kvviz.engine.prompts import PROMPT_SET_SUFFIX, PromptLine, read_prompt_set
-from kvviz.engine.session import PromptError
+from kvviz.comparison.prompts import PROMPT_SET_SUFFIX, PromptLine, read_prompt_set
+from kvviz.comparison.session import PromptError
 from kvviz.runtime.cluster import LOCAL, ClusterConfig, ClusterError, connect
 from kvviz.studies.paired import DEFAULT_MARGIN
 from kvviz.studies.power import DEFAULT_FULL_ACCURACY, plan

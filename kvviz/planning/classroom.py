@@ -1,7 +1,7 @@
 """How long a class waits on one server, projected from measured per-run times.
 
 One model serves everybody, taking turns between students, and students who ask for the same thing (a lesson step)
-share one run. Served one run at a time (as the app's queue serves runs its admission policy does not let decode
+share one run. Served one run at a time (as the model's engine serves runs its admission policy does not let decode
 together, :mod:`kvviz.runtime.admission`), when a whole class presses Run at once the k-th run in the queue starts
 after the k-1 runs before it: the projection here. Runs admitted together are measured, not projected (the bench's
 classroom section serves both ways). Given the seconds each run takes on some machine (measured by

@@ -1,5 +1,5 @@
-"""Which runs decode together: the admission policy of the one scheduler (:mod:`kvviz.runtime.scheduler`), which the
-app and the bench's class both run.
+"""Which runs decode together: the admission policy the engine (:mod:`kvviz.runtime.engine`) applies at every step,
+for the app's runs, the bench's class, the command line and notebooks alike.
 
 Decoding together pays where a decode step is bound by reading the weights: a run's rows added to the running batch
 read the same weights and cost the others little, so every run finishes sooner. Where a step is bound by its
@@ -17,9 +17,9 @@ tokens times its configurations) stay within its device's bound. On a CPU that b
 of SmolLM2 reads its weights in about 25 ms and spends about 20 us per cached position on per-row work (a 2K comparison
 of six configurations: about 310 ms a step, 75 ms of it in the linear layers), so past some 2K positions a step is
 mostly work a batch does not share. Short comparisons batch eight at a time; a 2K upload runs alone. An accelerator's
-step stays bound by reading the weights far longer, so there the count of runs is the only bound. A run that holds
-the model by itself (a study: one piece of the engine's work, :func:`kvviz.runtime.engine.on_engine`) is admitted
-only when nothing else runs.
+step stays bound by reading the weights far longer, so there the count of runs is the only bound. A step that holds
+the model by itself (a study's item, decoded alone) is admitted only when nothing else runs; a study gives the model
+back after each item (:class:`kvviz.runtime.jobs.Turn`), so other runs take turns with it.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvviz.runtime.together import RUNS_TOGETHER
-
+RUNS_TOGETHER = 8  # runs the engine admits into one running batch at once; each holds its caches while it decodes
+# (eight 2K-token comparisons of six configurations on SmolLM2 decoding together held 17.7 GB resident, measured on
+# the CPU)
 CPU_POSITIONS = 2048  # the most positions runs decoding together may hold on a CPU (a run alone always runs)
 
 
@@ -39,7 +40,7 @@ class RunSize:
 
     positions: int = 0
     device: str = ""
-    shares: bool = True  # False: it holds the model's lock throughout, and runs alone
+    shares: bool = True  # False: its step holds the model by itself (decodes alone), so it runs alone
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Admission:
                 else f"up to {self.most_runs} runs at once holding at most {bound:,} positions together")
 
 
-ADMISSION = Admission()  # the server's policy: the scheduler serves the app's runs and the bench's class by it
+ALONE = RunSize(shares=False)  # a step that holds the model by itself
+ADMISSION = Admission()  # the engine's policy: the app's runs, the bench's class, the CLI and notebooks
 ONE_AT_A_TIME = Admission(most_runs=1)  # what decoding together is compared with
 

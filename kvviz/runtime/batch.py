@@ -13,7 +13,7 @@ nothing of one row mixes with another's. :class:`DecodeGroup` is one run's rows:
 their teacher-forced *twins* (a twin is a copy of a configuration's cache, made at the step where that configuration
 first chooses another token than full, then fed full's tokens, so that its distributions can be scored against
 full's: agreement and KL are teacher-forced). :func:`step_groups` feeds any number of groups in one forward, which is
-how :mod:`kvviz.runtime.together` lets runs of different users decode together.
+how the engine (:mod:`kvviz.runtime.engine`) lets runs of different users decode together.
 """
 
 from __future__ import annotations
@@ -232,8 +232,7 @@ class DecodeGroup:
         self.feeding: list[Row] = []
         self.step = 0
         self.error: BaseException | None = None
-        self._rows_done = False  # set last, once a step leaves nothing to feed: another run's thread reads
-        # ``finished`` while this group's step is half done, and must not see a row's tokens still being chosen
+        self._rows_done = False  # set once a step leaves nothing to feed
 
     @property
     def finished(self) -> bool:
@@ -287,8 +286,8 @@ def _twin(row: Row, reference: Row) -> Row:
 
 
 def step_groups(model: torch.nn.Module, groups: list[DecodeGroup], device: str) -> None:
-    """One decode step of every group in one forward. A group whose step fails (its progress report raised, as a
-    cancelled run's does) gets ``error`` and feeds nothing; the others go on."""
+    """One decode step of every group in one forward. A group whose step fails (its progress report raised) gets
+    ``error`` and feeds nothing; the others go on."""
     feeding: list[Row] = []
     for group in groups:
         try:

@@ -25,12 +25,14 @@ from urllib.parse import urlparse
 
 import torch
 
+from kvviz.runtime.jobs import Cancelled
 from kvviz.runtime.models import DEFAULT_MODEL, LoadedModel, load_model
 
 RAY_REQUIREMENT = "ray[client]==2.60.0"  # as requirements.txt pins it
 RETRIES = 3  # restarts of a lost worker process, and retries of the job it was running
 CONNECT_SECONDS = 5.0  # how long an address may take to answer before the sweep gives up, naming it
 LOCAL = "local"  # the address a local instance is described by
+STOP_POLL_SECONDS = 0.5  # how often a driver waiting on its workers looks whether its run was cancelled
 
 
 class ClusterError(RuntimeError):
@@ -134,16 +136,24 @@ class Joined:
         return address == LOCAL and _loopback(self.gcs.rpartition(":")[0])
 
 
-_joining = threading.Lock()  # one connect at a time: Ray holds one connection per process
-_joined: list[Joined] = []  # what connect() joined, while Ray stays initialized (Ray's own state is process-wide)
+class _Connection:
+    """What :func:`connect` joined, while Ray stays initialized (Ray's own state is process-wide, so this is too),
+    and the lock that lets one connect at a time."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.joined: Joined | None = None
+
+
+_CONNECTION = _Connection()
 
 
 def joined(ray) -> Joined:
     """The connection this process holds: the one :func:`connect` made, or one made elsewhere (a test, a
     notebook), described by its control store's address."""
     gcs = ray.get_runtime_context().gcs_address
-    if _joined and _joined[0].gcs == gcs:
-        return _joined[0]
+    if _CONNECTION.joined is not None and _CONNECTION.joined.gcs == gcs:
+        return _CONNECTION.joined
     return Joined(gcs, gcs)
 
 
@@ -153,7 +163,7 @@ def connect(config: ClusterConfig) -> None:
     Ray holds one connection per process: one this process already holds is kept when it serves the address asked
     for (:meth:`Joined.serves`); one to any other address is a ClusterError, never silently reused."""
     wanted = config.describe()
-    with _joining:
+    with _CONNECTION.lock:
         if config.address is None:
             # Ray reads this once, when it is imported: "0" makes the node it starts take 127.0.0.1 as its address,
             # and its processes then listen there only (checked below; docs/deployment.md says how it was measured).
@@ -178,7 +188,7 @@ def connect(config: ClusterConfig) -> None:
             except (ConnectionError, RuntimeError, TimeoutError) as error:
                 raise ClusterError(f"cannot join the Ray cluster at {config.address}: "
                                    f"{str(error).splitlines()[0]}") from None
-        _joined[:] = [Joined(wanted, ray.get_runtime_context().gcs_address)]
+        _CONNECTION.joined = Joined(wanted, ray.get_runtime_context().gcs_address)
 
 
 def ray_running() -> bool:
@@ -190,9 +200,9 @@ def ray_running() -> bool:
 def disconnect() -> None:
     """Leave the cluster (a local instance stops); the next :func:`connect` may join any address."""
     ray = import_ray()
-    with _joining:
+    with _CONNECTION.lock:
         ray.shutdown()
-        _joined.clear()
+        _CONNECTION.joined = None
 
 
 class _Worker:
@@ -291,10 +301,12 @@ class WorkerPool:
     def identity(self) -> WorkerIdentity:
         return self.workers[0]
 
-    def run(self, job: Callable[..., Any], jobs: Sequence[tuple], done: Callable[[int, Any, float], None]) -> None:
+    def run(self, job: Callable[..., Any], jobs: Sequence[tuple], done: Callable[[int, Any, float], None],
+            stop: threading.Event | None = None) -> None:
         """``job(model, *args)`` for every ``args`` of ``jobs``, one at a time per worker, the next to whichever
         worker frees first; ``done(index, result, seconds)`` as each finishes. A job whose worker died is retried
-        after Ray restarts it; ClusterError once the retries are spent."""
+        after Ray restarts it; ClusterError once the retries are spent. Once ``stop`` is set no job is given out and
+        the jobs running are left to Ray (:class:`~kvviz.runtime.jobs.Cancelled` raised here)."""
         ray = import_ray()
         waiting = list(enumerate(jobs))[::-1]
         running: dict[Any, tuple[int, Any]] = {}
@@ -307,8 +319,13 @@ class WorkerPool:
         for actor in self.actors:
             give(actor)
         while running:
-            (ref,), _ = ray.wait(list(running), num_returns=1)
-            index, actor = running.pop(ref)
+            finished, _ = ray.wait(list(running), num_returns=1, timeout=STOP_POLL_SECONDS)
+            if stop is not None and stop.is_set():
+                raise Cancelled("the sweep was cancelled; the shards that finished are stored")
+            if not finished:
+                continue
+            index, actor = running.pop(finished[0])
+            ref = finished[0]
             try:
                 result, seconds = ray.get(ref)
             except ray.exceptions.RayActorError as error:

@@ -26,7 +26,6 @@ from kvviz.runtime.faults import ModelError
 from kvviz.runtime.invariance import install_row_invariance
 from kvviz.runtime.prefix import PrefixCache
 from kvviz.runtime.settings import DEFAULT_MODEL, DEVICE, HUB_ENDPOINT, HUB_OFFLINE, cache_folder
-from kvviz.runtime.together import SharedPrefill
 
 WEIGHT_MODES = ("auto", "int8", "nf4")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -148,10 +147,8 @@ def resolve_source(name: str) -> tuple[str, bool]:
 @dataclass
 class LoadedModel:
     """A model ready for kvviz (weights, tokenizer and where they live) and the objects every run on it shares, built
-    once with it: ``engine`` runs every forward on it on one long-lived thread, its running batch included
-    (:mod:`kvviz.runtime.engine`); ``lock`` is the engine's turn (a caller holding it has the model to itself);
-    ``prefix_cache`` holds its prefilled blocks (:mod:`kvviz.runtime.prefix`) and ``prefills`` shares prompts'
-    prefills (:mod:`kvviz.runtime.together`)."""
+    once with it: ``engine`` is the loop every run on it is submitted to, which runs every forward on one long-lived
+    thread (:mod:`kvviz.runtime.engine`); ``prefix_cache`` holds its prefilled blocks (:mod:`kvviz.runtime.prefix`)."""
 
     name: str
     model: torch.nn.Module
@@ -162,16 +159,9 @@ class LoadedModel:
     row_counts: tuple[int, ...] | None = None  # what linear layers pad their rows to (kvviz.runtime.invariance)
     prefix_cache: PrefixCache = field(default_factory=PrefixCache, init=False, repr=False, compare=False)
     engine: Engine = field(init=False, repr=False, compare=False)
-    prefills: SharedPrefill = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self.engine = Engine(self.model, self.device)
-        self.prefills = SharedPrefill(self.model, self.device, self.engine, self.prefix_cache)
-
-    @property
-    def lock(self):
-        """The engine's turn on the model: held, the caller has the model to itself and runs its work inline."""
-        return self.engine.lock
+        self.engine = Engine(self.model, self.device, self.prefix_cache)
 
     @property
     def config(self):
@@ -271,7 +261,7 @@ def ready(name: str, model: torch.nn.Module, tokenizer, device: str, dtype: torc
     """A model on its device made ready for kvviz, whatever built it (:func:`load_model`, the bench's random-weight
     models): refused when kvviz cannot run it exactly, else in eval mode with kvviz's attention, and on a CPU its
     linear layers padding rows to batch-independent counts (:mod:`kvviz.runtime.invariance`). Nothing outside the
-    model changes: process settings are the entry point's (:mod:`kvviz.engine.startup`)."""
+    model changes: process settings are the entry point's (:mod:`kvviz.comparison.startup`)."""
     refuse_unsupported(model.config, model)
     model.eval()
     install_attention(model)

@@ -13,15 +13,17 @@ context alone and feeds the question afterwards, as kvpress evaluates.
 
 from __future__ import annotations
 
+import functools
 import random
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 
 from kvviz.cache.ledger import KEPT, EvictionLedger
-from kvviz.engine.session import PromptError, PromptSession, capture_for
-from kvviz.methods import parse_spec
-from kvviz.runtime.engine import on_engine
+from kvviz.comparison.session import PromptError, PromptSession, capture_for
+from kvviz.methods import MethodStack, parse_spec
+from kvviz.runtime.admission import ALONE
+from kvviz.runtime.jobs import Job, Stage, Steps, Turn
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 
@@ -228,7 +230,6 @@ def split_for_mode(ids: list[int], question_start: int, mode: str) -> tuple[list
     return ids, None
 
 
-@on_engine
 def run_needle_grid(
     loaded: LoadedModel,
     specs: list[str],
@@ -244,32 +245,48 @@ def run_needle_grid(
     """Run every method on every (trial, length, depth) haystack; one prefill per haystack is shared by all methods.
 
     Success means the key's digits appear in the greedy answer. PromptError or SpecError for bad arguments, before
-    any model work.
+    any model work. One job on the model's engine (:func:`needle_job`), whose result this waits for.
     """
+    return loaded.engine.run(needle_job(loaded, specs, lengths, depths, trials, seed, chat, mode, max_new_tokens),
+                             progress)
+
+
+def needle_job(loaded: LoadedModel, specs: list[str], lengths: list[int], depths: list[float], trials: int = 1,
+               seed: int = 0, chat: bool = True, mode: str = "query_aware",
+               max_new_tokens: int = 16) -> Job[NeedleReport]:
+    """:func:`run_needle_grid` as a job: the arguments checked here, then one haystack per step, each decoded
+    alone, the model given back between haystacks so that other runs take their turns."""
     check_grid("needle", mode, specs, lengths, depths, trials)
     if max_new_tokens < 1:
         raise PromptError("max_new_tokens must be at least 1")
     stacks = [parse_spec(spec) for spec in specs]
+    settings = {"model": loaded.name, "methods": [stack.label for stack in stacks], "lengths": lengths,
+                "depths": depths, "trials": trials, "seed": seed, "chat": chat, "mode": mode,
+                "max_new_tokens": max_new_tokens}
+    return Job(functools.partial(_needle_steps, loaded, stacks, settings), ALONE, "needle")
+
+
+def _needle_steps(loaded: LoadedModel, stacks: list[MethodStack], settings: dict,
+                  progress: Progress) -> Steps[NeedleReport]:
     capture = capture_for(stacks)
-    cases = [(trial, length, depth) for trial in range(trials) for length in lengths for depth in depths]
+    trials, mode = settings["trials"], settings["mode"]
+    cases = [(trial, length, depth) for trial in range(trials) for length in settings["lengths"]
+             for depth in settings["depths"]]
     started = time.perf_counter()
     cells: list[NeedleCell] = []
     for number, (trial, length, depth) in enumerate(cases):
-        prompt = build_needle_prompt(loaded.tokenizer, length, depth, seed, trial, chat)
+        yield Turn(ALONE) if number else Stage.MEASURE
+        prompt = build_needle_prompt(loaded.tokenizer, length, depth, settings["seed"], trial, settings["chat"])
         context, suffix = split_for_mode(prompt.ids, prompt.question_start, mode)
         session = PromptSession(loaded, context)
         session.prefill(capture)
         for index, stack in enumerate(stacks):
-            if progress is not None:
-                progress((number + index / len(stacks)) / len(cases),
-                         f"{stack.label}: length {length}, depth {depth:.0%}, trial {trial + 1} of {trials}")
-            result, _ = session.run(stack, max_new_tokens, suffix_tokens=suffix)
+            progress((number + index / len(stacks)) / len(cases),
+                     f"{stack.label}: length {length}, depth {depth:.0%}, trial {trial + 1} of {trials}")
+            result, _ = session.run(stack, settings["max_new_tokens"], suffix_tokens=suffix)
             survived, step, layers = needle_eviction(result.ledger, prompt.needle_positions)
             cells.append(NeedleCell(stack.label, length, depth, trial, mode, prompt.key, result.text,
                                     prompt.key in result.text, len(prompt.ids), prompt.needle_positions,
                                     survived, step, layers))
-    if progress is not None:
-        progress(1.0, "done")
-    settings = {"model": loaded.name, "methods": [s.label for s in stacks], "lengths": lengths, "depths": depths,
-                "trials": trials, "seed": seed, "chat": chat, "mode": mode, "max_new_tokens": max_new_tokens}
+    progress(1.0, "done")
     return NeedleReport(cells, time.perf_counter() - started, settings)

@@ -8,6 +8,7 @@ chunks, because chunked causal attention over an untouched cache is the same com
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import time
@@ -18,16 +19,18 @@ import torch
 
 from kvviz.cache.kvcache import KVCache
 from kvviz.cache.protocol import Decode
-from kvviz.engine.session import PromptSession, check_context
+from kvviz.comparison.session import PromptSession, check_context
 from kvviz.methods import REGISTRY, SpecError, parse_spec
+from kvviz.runtime.admission import ALONE
 from kvviz.runtime.batch import forward_rows
-from kvviz.runtime.engine import on_engine
 from kvviz.runtime.invariance import rows_as_they_come
+from kvviz.runtime.jobs import Job, Stage, Steps, Turn
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
 from kvviz.runtime.replay import forward_step
 
 CHUNK = 256  # tokens per forward when evaluating the full cache in chunks
+STREAM_STEP = 64  # tokens streamed per step of the engine's job: other runs take turns between steps
 
 
 
@@ -66,23 +69,25 @@ class PerplexityResult:
     kv_bytes: int | None = None  # what the cache held after the last token
 
 
-def _full_chunked(loaded: LoadedModel, token_ids: list[int], progress) -> tuple[torch.Tensor, int]:
-    """NLL of positions 1..N-1 with an uncompressed cache, CHUNK tokens per forward, and the cache's bytes (the
-    last token is never fed: nothing predicts from it, and the streamed caches never hold it either)."""
+def _full_chunked(loaded: LoadedModel, token_ids: list[int],
+                  progress: Progress | None) -> Steps[tuple[torch.Tensor, int]]:
+    """NLL of positions 1..N-1 with an uncompressed cache, CHUNK tokens per forward (one step each), and the cache's
+    bytes (the last token is never fed: nothing predicts from it, and the streamed caches never hold it either)."""
     cache = KVCache(loaded.config.num_hidden_layers, layer_types=loaded.layer_types)  # local layers keep windows
     losses = []
     fed = token_ids[:-1]
-    with torch.inference_mode():
-        for first in range(0, len(fed), CHUNK):
-            chunk = fed[first: first + CHUNK]
+    for first in range(0, len(fed), CHUNK):
+        yield Turn(ALONE) if first else Stage.MEASURE
+        chunk = fed[first: first + CHUNK]
+        with torch.inference_mode():
             position_ids, cache_position = cache.begin_forward(torch.arange(first, first + len(chunk)), 0)
             logits = loaded.model(input_ids=torch.tensor([chunk], device=loaded.device), past_key_values=cache,
                                   position_ids=position_ids.to(loaded.device),
                                   cache_position=cache_position.to(loaded.device), use_cache=True).logits[0]
             targets = torch.tensor(token_ids[first + 1: first + 1 + len(chunk)], device=loaded.device)
             losses.append(torch.nn.functional.cross_entropy(logits.float(), targets, reduction="none").cpu())
-            if progress is not None:
-                progress((first + len(chunk)) / len(fed), f"full: token {first + len(chunk)}")
+        if progress is not None:
+            progress((first + len(chunk)) / len(fed), f"full: token {first + len(chunk)}")
     return torch.cat(losses), cache.nbytes().total
 
 
@@ -101,26 +106,31 @@ def _streaming_cache(session: PromptSession, spec: str) -> KVCache:
         raise SpecError(f"{stack.label} cannot stream a text token by token: {error}") from None
 
 
-def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str, progress) -> tuple[torch.Tensor, int]:
-    """NLL of positions 1..N-1 feeding one token per step through the method's cache, and the cache's bytes."""
+def _streamed(loaded: LoadedModel, token_ids: list[int], spec: str,
+              progress: Progress) -> Steps[tuple[torch.Tensor, int]]:
+    """NLL of positions 1..N-1 feeding one token per step through the method's cache, and the cache's bytes; the
+    model given back every :data:`STREAM_STEP` tokens."""
     stack = parse_spec(spec)
     session = PromptSession(loaded, token_ids[:1])
     cache = _streaming_cache(session, spec)
     logits = session.prefill().last_logits
     losses = torch.empty(len(token_ids) - 1)
     total = len(token_ids) - 1
-    # forward_step passes the cache as its attention's key source (and listener); one row, never batched
-    with torch.inference_mode(), rows_as_they_come():
-        for position in range(1, len(token_ids)):
-            losses[position - 1] = -torch.log_softmax(logits.float(), dim=-1)[token_ids[position]].cpu()
-            if position < total:
-                logits = forward_step(loaded.model, cache, [token_ids[position]], position, position, loaded.device)
-            if progress is not None and (position % 16 == 0 or position == total):
-                progress(position / total, f"{stack.label}: token {position}/{total}")
+    for begin in range(1, len(token_ids), STREAM_STEP):
+        if begin > 1:
+            yield Turn(ALONE)
+        # forward_step passes the cache as its attention's key source (and listener); one row, never batched
+        with torch.inference_mode(), rows_as_they_come():
+            for position in range(begin, min(begin + STREAM_STEP, len(token_ids))):
+                losses[position - 1] = -torch.log_softmax(logits.float(), dim=-1)[token_ids[position]].cpu()
+                if position < total:
+                    logits = forward_step(loaded.model, cache, [token_ids[position]], position, position,
+                                          loaded.device)
+                if position % 16 == 0 or position == total:
+                    progress(position / total, f"{stack.label}: token {position}/{total}")
     return losses, cache.nbytes().total
 
 
-@on_engine
 def streaming_perplexity(
     loaded: LoadedModel,
     token_ids: list[int],
@@ -128,7 +138,14 @@ def streaming_perplexity(
     start: int = 0,
     progress: Progress | None = None,
 ) -> PerplexityResult:
-    """Perplexity of ``token_ids`` under ``spec``, over positions >= ``start`` (position 0 is never predicted)."""
+    """Perplexity of ``token_ids`` under ``spec``, over positions >= ``start`` (position 0 is never predicted).
+    One job on the model's engine, whose result this waits for: the arguments checked here, then the text fed in
+    steps of :data:`STREAM_STEP` tokens (``full``: of :data:`CHUNK`), other runs taking turns between them."""
+    return loaded.engine.run(perplexity_job(loaded, token_ids, spec, start), progress)
+
+
+def perplexity_job(loaded: LoadedModel, token_ids: list[int], spec: str, start: int = 0) -> Job[PerplexityResult]:
+    """:func:`streaming_perplexity` as a job: the arguments checked here, then the text fed in steps."""
     stack = parse_spec(spec)
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
@@ -136,18 +153,22 @@ def streaming_perplexity(
     if first >= len(token_ids):
         raise ValueError(f"start {start} leaves no token to score in a text of {len(token_ids)} tokens")
     check_context(loaded, len(token_ids), room=0, what="the text")
-    exact = stack.label != "full"
+    return Job(functools.partial(_perplexity_steps, loaded, list(token_ids), stack.label, first), ALONE, "ppl")
+
+
+def _perplexity_steps(loaded: LoadedModel, token_ids: list[int], spec: str, first: int,
+                      progress: Progress) -> Steps[PerplexityResult]:
+    exact = spec != "full"
     started = time.perf_counter()
-    losses, kv_bytes = (_streamed(loaded, token_ids, spec, progress) if exact
-                        else _full_chunked(loaded, token_ids, progress))
+    losses, kv_bytes = yield from (_streamed(loaded, token_ids, spec, progress) if exact
+                                   else _full_chunked(loaded, token_ids, progress))
     scored = losses[first - 1:]
     nll = float(scored.mean())
-    return PerplexityResult(method=stack.label, tokens=scored.numel(), start=first, nll=nll, ppl=math.exp(nll),
+    return PerplexityResult(method=spec, tokens=scored.numel(), start=first, nll=nll, ppl=math.exp(nll),
                             per_token_nll=scored.tolist(), seconds=time.perf_counter() - started, exact=exact,
                             kv_bytes=kv_bytes)
 
 
-@on_engine
 def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: list[str],
                            progress: Progress | None = None
                            ) -> list[PerplexityResult | SpecError]:
@@ -156,10 +177,22 @@ def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: lis
     ``full`` is still evaluated in chunks. A SPEC that cannot stream, or whose row fails, gets its SpecError.
 
     Each row equals its method streamed alone up to the last bits: a forward of several rows pads its linear
-    layers (:mod:`kvviz.runtime.invariance`), while :func:`streaming_perplexity` feeds one row unpadded."""
+    layers (:mod:`kvviz.runtime.invariance`), while :func:`streaming_perplexity` feeds one row unpadded. One job on
+    the model's engine, in steps of :data:`STREAM_STEP` tokens."""
+    return loaded.engine.run(perplexities_job(loaded, token_ids, specs), progress)
+
+
+def perplexities_job(loaded: LoadedModel, token_ids: list[int],
+                     specs: list[str]) -> Job[list[PerplexityResult | SpecError]]:
+    """:func:`streaming_perplexities` as a job: the text checked here, then streamed in steps."""
     if len(token_ids) < 2:
         raise ValueError("perplexity needs at least 2 tokens")
     check_context(loaded, len(token_ids), room=0, what="the text")
+    return Job(functools.partial(_perplexities_steps, loaded, list(token_ids), list(specs)), ALONE, "ppl")
+
+
+def _perplexities_steps(loaded: LoadedModel, token_ids: list[int], specs: list[str],
+                        progress: Progress) -> Steps[list[PerplexityResult | SpecError]]:
     started = time.perf_counter()
     outcomes: list[PerplexityResult | SpecError | None] = [None] * len(specs)
     streams: dict[int, KVCache] = {}
@@ -167,7 +200,7 @@ def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: lis
     session = PromptSession(loaded, token_ids[:1])
     for index, spec in enumerate(specs):
         if parse_spec(spec).label == "full":
-            losses, kv_bytes = _full_chunked(loaded, token_ids, None)
+            losses, kv_bytes = yield from _full_chunked(loaded, token_ids, None)
             outcomes[index] = _result("full", losses, kv_bytes, started, exact=False)
             continue
         try:
@@ -178,28 +211,37 @@ def streaming_perplexities(loaded: LoadedModel, token_ids: list[int], specs: lis
     losses = {index: torch.empty(total) for index in streams}
     for loss in losses.values():
         loss[0] = first
-    with torch.inference_mode():
-        for position in range(1, total):
-            alive = list(streams)
-            if not alive:
-                break
-            logits, failures = forward_rows(loaded.model, [streams[i] for i in alive],
-                                            [token_ids[position]] * len(alive), [position] * len(alive),
-                                            [position] * len(alive), loaded.device)
-            nll = -torch.log_softmax(logits.float(), dim=-1)[:, token_ids[position + 1]].cpu()
-            for row, index in enumerate(alive):
-                if row in failures:
-                    outcomes[index] = SpecError(f"{parse_spec(specs[index]).label} failed at token {position}: "
-                                                f"{failures[row]}")
-                    del streams[index]
-                else:
-                    losses[index][position] = nll[row]
-            if progress is not None and (position % 16 == 0 or position == total - 1):
-                progress(position / total, f"token {position}/{total}, {len(streams)} methods together")
+    for begin in range(1, total, STREAM_STEP):
+        if not streams:
+            break
+        yield Turn(ALONE)
+        with torch.inference_mode():
+            for position in range(begin, min(begin + STREAM_STEP, total)):
+                _stream_one(loaded, token_ids, specs, position, streams, losses, outcomes)
+                if position % 16 == 0 or position == total - 1:
+                    progress(position / total, f"token {position}/{total}, {len(streams)} methods together")
     for index, cache in streams.items():
         outcomes[index] = _result(parse_spec(specs[index]).label, losses[index], cache.nbytes().total, started,
                                   exact=True)
     return outcomes
+
+
+def _stream_one(loaded: LoadedModel, token_ids: list[int], specs: list[str], position: int,
+                streams: dict[int, KVCache], losses: dict[int, torch.Tensor], outcomes: list) -> None:
+    """The token at ``position`` fed to every live stream in one forward; a row that fails leaves with its error."""
+    alive = list(streams)
+    if not alive:
+        return
+    logits, failures = forward_rows(loaded.model, [streams[i] for i in alive], [token_ids[position]] * len(alive),
+                                    [position] * len(alive), [position] * len(alive), loaded.device)
+    nll = -torch.log_softmax(logits.float(), dim=-1)[:, token_ids[position + 1]].cpu()
+    for row, index in enumerate(alive):
+        if row in failures:
+            outcomes[index] = SpecError(f"{parse_spec(specs[index]).label} failed at token {position}: "
+                                        f"{failures[row]}")
+            del streams[index]
+        else:
+            losses[index][position] = nll[row]
 
 
 def _result(method: str, losses: torch.Tensor, kv_bytes: int, started: float, exact: bool) -> PerplexityResult:

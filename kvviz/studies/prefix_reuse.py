@@ -6,13 +6,16 @@ The prefix cache is :mod:`kvviz.runtime.prefix`, prefilling through it :mod:`kvv
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvviz.runtime.engine import on_engine
+from kvviz.runtime.admission import ALONE
+from kvviz.runtime.jobs import Job, Stage, Steps, Turn
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefill import prefill_with_prefix
 from kvviz.runtime.prefix import BLOCK_TOKENS, PrefixCache, PrefixLookup
+from kvviz.runtime.progress import Progress
 
 PREAMBLE_FILE = Path(__file__).resolve().parents[2] / "assets" / "prefix_preamble.txt"
 DEFAULT_QUESTIONS = (
@@ -99,20 +102,34 @@ class ReuseReport:
                 f"max |logit diff| {t.max_logit_diff:.2e}" for t in self.turns]
 
 
-@on_engine
 def run_turns(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] | None = None,
-              block_tokens: int = BLOCK_TOKENS, repeats: int = 1, progress=None) -> ReuseReport:
+              block_tokens: int = BLOCK_TOKENS, repeats: int = 1, progress: Progress | None = None) -> ReuseReport:
     """Run ``prompts`` in order through a new prefix cache (so the first one misses everywhere): each turn is timed
     fresh and with reuse (best of ``repeats``, alternated so a slow spell of a shared machine hits both) and its
-    reused logits compared with the fresh ones. One piece of the model engine's work."""
+    reused logits compared with the fresh ones. One job on the model's engine (:func:`turns_job`), whose result
+    this waits for."""
+    return loaded.engine.run(turns_job(loaded, prompts, labels, block_tokens, repeats), progress)
+
+
+def turns_job(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] | None = None,
+              block_tokens: int = BLOCK_TOKENS, repeats: int = 1) -> Job[ReuseReport]:
+    """:func:`run_turns` as a job: one turn per step (its timings taken within the step, alone on the model), the
+    model given back between turns."""
+    labels = labels or [f"turn {i + 1}" for i in range(len(prompts))]
+    return Job(functools.partial(_turns_steps, loaded, prompts, labels, block_tokens, repeats), ALONE, "turns")
+
+
+def _turns_steps(loaded: LoadedModel, prompts: list[list[int]], labels: list[str], block_tokens: int, repeats: int,
+                 progress: Progress) -> Steps[ReuseReport]:
     prefix = PrefixCache(block_tokens=block_tokens, budget_bytes=2**62)
     report = ReuseReport(block_tokens)
+    yield Stage.MEASURE
     # warm-up: the first forward pays one-off costs
     prefill_with_prefix(loaded.model, loaded.device, prompts[0][:block_tokens], None)
-    labels = labels or [f"turn {i + 1}" for i in range(len(prompts))]
     for turn, (label, ids) in enumerate(zip(labels, prompts, strict=True)):
-        if progress is not None:
-            progress(turn / len(prompts), f"{label}: prefill fresh and with reuse")
+        if turn:
+            yield Turn(ALONE)
+        progress(turn / len(prompts), f"{label}: prefill fresh and with reuse")
         fresh_times, reused_times = [], []
         fresh = reused = None
         for _ in range(max(1, repeats)):  # repeats reuse the same blocks: nothing is stored until the turn ends
@@ -125,8 +142,7 @@ def run_turns(loaded: LoadedModel, prompts: list[list[int]], labels: list[str] |
         report.turns.append(TurnResult(label, len(ids), reused.lookup, min(fresh_times), min(reused_times), diff,
                                        int(reused.last_logits.argmax()) == int(fresh.last_logits.argmax()),
                                        fresh.cache.nbytes().total))
-    if progress is not None:
-        progress(1.0, "done")
+    progress(1.0, "done")
     return report
 
 
@@ -139,13 +155,24 @@ class LengthCost:
     kv_bytes: int
 
 
-@on_engine
-def context_cost(loaded: LoadedModel, token_ids: list[int], lengths: list[int], progress=None) -> list[LengthCost]:
-    """Prefill time and cache bytes for the first ``n`` tokens of ``token_ids`` (repeated when shorter) per length."""
+def context_cost(loaded: LoadedModel, token_ids: list[int], lengths: list[int],
+                 progress: Progress | None = None) -> list[LengthCost]:
+    """Prefill time and cache bytes for the first ``n`` tokens of ``token_ids`` (repeated when shorter) per length.
+    One job on the model's engine (:func:`context_cost_job`), whose result this waits for."""
+    return loaded.engine.run(context_cost_job(loaded, token_ids, lengths), progress)
+
+
+def context_cost_job(loaded: LoadedModel, token_ids: list[int], lengths: list[int]) -> Job[list[LengthCost]]:
+    """:func:`context_cost` as a job: one length per step, the model given back between lengths."""
+    return Job(functools.partial(_context_cost_steps, loaded, list(token_ids), list(lengths)), ALONE, "context_cost")
+
+
+def _context_cost_steps(loaded: LoadedModel, token_ids: list[int], lengths: list[int],
+                        progress: Progress) -> Steps[list[LengthCost]]:
     costs = []
     for index, length in enumerate(lengths):
-        if progress is not None:
-            progress(index / len(lengths), f"prefill of {length} tokens")
+        yield Turn(ALONE) if index else Stage.MEASURE
+        progress(index / len(lengths), f"prefill of {length} tokens")
         ids = (token_ids * (length // max(1, len(token_ids)) + 1))[:length]
         run = prefill_with_prefix(loaded.model, loaded.device, ids, None)
         costs.append(LengthCost(length, run.seconds, run.cache.nbytes().total))

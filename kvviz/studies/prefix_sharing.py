@@ -9,12 +9,13 @@ same tokens for every question by construction, so it can.
 For each method and mode this measures, per layer, the Jaccard overlap of the preamble tokens kept for question A
 and for question B (mean over KV heads), and the quality cost of answering B from the preamble compressed for A,
 next to answering B from its own: both teacher-forced on the full cache's answer to B (agreement and KL,
-:mod:`kvviz.engine.metrics`). Both answers start from the same construction, the dense preamble cut to a kept set with
-B's tokens fed after it, so the only difference is whose kept set it is.
+:mod:`kvviz.comparison.metrics`). Both answers start from the same construction, the dense preamble cut to a kept set
+with B's tokens fed after it, so the only difference is whose kept set it is.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -22,10 +23,11 @@ import torch
 from kvviz.cache.kvcache import KVCache
 from kvviz.cache.layer_types import LayerTypes
 from kvviz.cache.storage import gather_tokens
-from kvviz.engine.metrics import forced_comparison
-from kvviz.engine.session import PromptSession
-from kvviz.methods import parse_spec
-from kvviz.runtime.engine import on_engine
+from kvviz.comparison.metrics import forced_comparison
+from kvviz.comparison.session import PromptSession
+from kvviz.methods import MethodStack, parse_spec
+from kvviz.runtime.admission import ALONE
+from kvviz.runtime.jobs import Job, Stage, Steps, Turn
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefill import prefill_with_prefix
 from kvviz.runtime.progress import Progress
@@ -120,15 +122,30 @@ def preamble_cut_to(dense: KVCache, kept: list[list[set[int]]], preamble_tokens:
     return cache
 
 
-@on_engine
 def compare_sharing(loaded: LoadedModel, preamble_ids: list[int], question_a: list[int], question_b: list[int],
                     specs: list[str] | tuple[str, ...] = DEFAULT_METHODS, max_new_tokens: int = 16,
                     progress: Progress | None = None) -> SharingReport:
-    """Compress the preamble for questions A and B with every method in both modes; see the module docstring."""
+    """Compress the preamble for questions A and B with every method in both modes; see the module docstring. One
+    job on the model's engine (:func:`sharing_job`), whose result this waits for."""
+    return loaded.engine.run(sharing_job(loaded, preamble_ids, question_a, question_b, specs, max_new_tokens),
+                             progress)
+
+
+def sharing_job(loaded: LoadedModel, preamble_ids: list[int], question_a: list[int], question_b: list[int],
+                specs: list[str] | tuple[str, ...] = DEFAULT_METHODS, max_new_tokens: int = 16) -> Job[SharingReport]:
+    """:func:`compare_sharing` as a job: the methods checked here, then one method and mode per step, the model
+    given back between them."""
     stacks = [parse_spec(spec) for spec in specs]
     for stack in stacks:
         if stack.eviction is None:
             raise ValueError(f"{stack.label} evicts nothing: prefix sharing compares eviction methods")
+    return Job(functools.partial(_sharing_steps, loaded, list(preamble_ids), list(question_a), list(question_b),
+                                 stacks, max_new_tokens), ALONE, "prefix_sharing")
+
+
+def _sharing_steps(loaded: LoadedModel, preamble_ids: list[int], question_a: list[int], question_b: list[int],
+                   stacks: list[MethodStack], max_new_tokens: int, progress: Progress) -> Steps[SharingReport]:
+    yield Stage.MEASURE
     preamble_tokens = len(preamble_ids)
     report = SharingReport(preamble_tokens, (len(question_a), len(question_b)), max_new_tokens)
     eos = eos_token_ids(loaded.model, loaded.tokenizer)
@@ -147,6 +164,7 @@ def compare_sharing(loaded: LoadedModel, preamble_ids: list[int], question_a: li
 
     for index, stack in enumerate(stacks):
         for offset, mode in enumerate(MODES):
+            yield Turn(ALONE)
             _report(progress, 1 + index * len(MODES) + offset, steps, f"{stack.label}, {mode.replace('_', '-')}")
             if mode == "query_aware":
                 kept_a = kept_preamble(PromptSession(loaded, preamble_ids + question_a, reuse_prefix=True)

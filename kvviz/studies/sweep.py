@@ -35,7 +35,14 @@ from kvviz.studies.power import Plan
 from kvviz.studies.sweep_measure import Measured, Outcome, fill_points
 from kvviz.studies.sweep_rounds import Adaptive, RoundSource, RoundsRun, in_process, measure_in_rounds
 from kvviz.studies.sweep_shards import ShardRun, ShardStore
-from kvviz.studies.verdicts import DEFAULT_TAIL_THRESHOLD, Cliff, compression_of, held_bytes, judged_report
+from kvviz.studies.verdicts import (
+    DEFAULT_TAIL_THRESHOLD,
+    Cliff,
+    compression_of,
+    full_point,
+    held_bytes,
+    judged_report,
+)
 from kvviz.studies.workloads import ANSWER_RULE, TaskWorkload, Workload, check_workload
 
 DEFAULT_BUDGETS = (0.0625, 0.125, 0.25, 0.5)
@@ -222,7 +229,7 @@ class SweepReport:
     @property
     def full(self) -> SweepPoint | None:
         """The full cache's point, every other point's reference (None where it failed to run)."""
-        return next((p for p in self.points if p.spec == "full"), None)
+        return full_point(self.points)
 
     def to_json(self) -> dict:
         return {"model": self.model, "prompt_tokens": self.prompt_tokens, "workload": self.workload,

@@ -16,15 +16,15 @@ items (:mod:`kvviz.studies.paired`), so full's misses count (they are where a co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import ClassVar
 
 import numpy as np
 
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE
-from kvviz.engine.batched import decode_prompts
-from kvviz.engine.results import MethodResult
-from kvviz.engine.session import BOTH, FORCED, FREE
+from kvviz.comparison.batched import decode_prompts
+from kvviz.comparison.results import MethodResult
+from kvviz.comparison.session import BOTH, FORCED, FREE
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
@@ -158,9 +158,43 @@ def measure_rows(loaded: LoadedModel, workload: Workload, specs: list[str], indi
     return MEASURING[workload.kind].rows(loaded, workload, specs, list(chosen), progress, block_size)
 
 
-def fill_points(workload: Workload, points: list, rows: Rows) -> Measured:
-    """The points filled from the records of every item of ``workload``, and what the report needs besides."""
-    return MEASURING[workload.kind].fill(workload, points, rows)
+def fill_points(workload: Workload, points: Sequence, rows: Rows) -> Measured:
+    """The points (:class:`kvviz.studies.sweep.SweepPoint`, which imports this module) filled from the records of
+    every item of ``workload``, and what the report needs besides. The one place a point's measures are written:
+    each workload kind computes a :class:`Measures` record per point."""
+    measures, measured = MEASURING[workload.kind].measure(workload, rows)
+    for point, found in zip(points, measures, strict=True):
+        for name in MEASURE_FIELDS:
+            setattr(point, name, getattr(found, name))
+    return measured
+
+
+@dataclass
+class Measures:
+    """What measuring gives one point (every field a :class:`~kvviz.studies.sweep.SweepPoint` field of the same
+    name): its first error, or its bytes (the mean over its items), outcomes and the workload's measures with their
+    95% intervals. A measure the workload does not have stays None."""
+
+    error: str | None = None
+    kv_bytes: int | None = None
+    kv_bytes_full: int | None = None
+    full_precision_bytes: int | None = None
+    factors: dict | None = None
+    layout_bytes: dict | None = None
+    outcomes: list[Outcome] = field(default_factory=list)
+    items_scored: int | None = None
+    accuracy: float | None = None
+    accuracy_ci: tuple[float, float] | None = None
+    agreement_with_full: float | None = None
+    agreement_ci: tuple[float, float] | None = None
+    worst_prompt_agreement: float | None = None
+    mean_kl: float | None = None
+    kl_p95: float | None = None
+    first_divergence: int | None = None
+    perplexity: float | None = None
+
+
+MEASURE_FIELDS = tuple(f.name for f in fields(Measures))
 
 
 def cell_of(result: MethodResult, outcome: Outcome | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> Cell:
@@ -173,42 +207,35 @@ def cell_of(result: MethodResult, outcome: Outcome | None = None, block_size: in
                 layout_bytes=None if layouts is None else layouts.to_json())
 
 
-def fill_bytes(point, cells: list[Cell], fulls: list[Cell]) -> None:
-    """A point's bytes: the mean over its items of what its cache and full's held at the end."""
-    point.kv_bytes = round(sum(c.kv_bytes for c in cells) / len(cells))
-    point.kv_bytes_full = round(sum(c.kv_bytes_full for c in fulls) / len(fulls))
-    point.full_precision_bytes = round(sum(c.full_precision_bytes for c in cells) / len(cells))
-    point.factors = cells[0].factors
-    if all(c.layout_bytes for c in cells):
-        point.layout_bytes = {name: round(sum(c.layout_bytes[name] for c in cells) / len(cells))
-                              for name in cells[0].layout_bytes}
-
-
 def first_error(cells: list[Cell]) -> str | None:
     return next((c.error for c in cells if c.error), None)
 
 
-def fill_measured(point, cells: list[Cell], fulls: list[Cell]) -> bool:
-    """What every item-based point reads first: its first error, else its bytes and outcomes. False when it
-    failed (nothing more to fill)."""
-    point.error = first_error(cells)
-    if point.error is not None:
-        return False
-    fill_bytes(point, cells, fulls)
-    point.outcomes = [cell.outcome for cell in cells]
-    return True
+def measured_items(cells: list[Cell], fulls: list[Cell]) -> Measures:
+    """What every item-based point reads first: its first error, else its bytes (the mean over its items of what
+    its cache and full's held at the end) and outcomes."""
+    error = first_error(cells)
+    if error is not None:
+        return Measures(error=error)
+    layouts = None
+    if all(c.layout_bytes for c in cells):
+        layouts = {name: round(sum(c.layout_bytes[name] for c in cells) / len(cells)) for name in cells[0].layout_bytes}
+    return Measures(kv_bytes=round(sum(c.kv_bytes for c in cells) / len(cells)),
+                    kv_bytes_full=round(sum(c.kv_bytes_full for c in fulls) / len(fulls)),
+                    full_precision_bytes=round(sum(c.full_precision_bytes for c in cells) / len(cells)),
+                    factors=cells[0].factors, layout_bytes=layouts, outcomes=[cell.outcome for cell in cells])
 
 
-def fill_accuracy(point, outcomes: list[Outcome], full: list[Outcome], groups: list[str] | None) -> None:
+def with_accuracy(measures: Measures, full: list[Outcome], groups: list[str] | None) -> Measures:
     """Accuracy over every item and its 95% interval (Wilson; resampling whole groups when items share one), and
     each item's outcome against full's."""
+    outcomes = measures.outcomes
     for ours, theirs in zip(outcomes, full, strict=True):
         ours.versus_full = versus(bool(theirs.correct), bool(ours.correct))
     right = sum(bool(o.correct) for o in outcomes)
-    point.items_scored = len(outcomes)
-    point.accuracy = right / len(outcomes)
-    point.accuracy_ci = (wilson(right, len(outcomes)) if groups is None else
-                         bootstrap_mean([float(bool(o.correct)) for o in outcomes], groups))
+    return replace(measures, items_scored=len(outcomes), accuracy=right / len(outcomes),
+                   accuracy_ci=(wilson(right, len(outcomes)) if groups is None else
+                                bootstrap_mean([float(bool(o.correct)) for o in outcomes], groups)))
 
 
 class TaskMeasuring:
@@ -241,17 +268,19 @@ class TaskMeasuring:
             rows.records.append(ItemRecord(listing, len(item.ids), cells))
         return rows
 
-    def fill(self, workload: TaskWorkload, points: list, rows: Rows) -> Measured:
+    def measure(self, workload: TaskWorkload, rows: Rows) -> tuple[list[Measures], Measured]:
         full = rows.column(0)
-        for index, point in enumerate(points):
+        measures = []
+        for index in range(len(rows.records[0].cells) if rows.records else 0):
             cells = rows.column(index)
-            if not fill_measured(point, cells, full[:len(cells)]):
-                continue
-            fill_accuracy(point, point.outcomes, [cell.outcome for cell in full[:len(cells)]], None)
+            found = measured_items(cells, full[:len(cells)])
+            if found.error is None:
+                found = with_accuracy(found, [cell.outcome for cell in full[:len(cells)]], None)
+            measures.append(found)
         right = sum(bool(c.outcome and c.outcome.correct) for c in full)
         notes = [f"The full cache is right on {right} of {len(full)} items ({right / len(full):.0%}); every "
                  "configuration is scored on the items it ran and judged against full item by item."]
-        return Measured(rows.mean_tokens(), notes, [record.listing for record in rows.records])
+        return measures, Measured(rows.mean_tokens(), notes, [record.listing for record in rows.records])
 
 
 class PromptMeasuring:
@@ -278,25 +307,27 @@ class PromptMeasuring:
             rows.records.append(ItemRecord(listing, len(prompt.ids), cells, prompt.group))
         return rows
 
-    def fill(self, workload: PromptWorkload, points: list, rows: Rows) -> Measured:
+    def measure(self, workload: PromptWorkload, rows: Rows) -> tuple[list[Measures], Measured]:
         groups = rows.groups()
         full = rows.column(0)
-        for column, point in enumerate(points):
+        measures = []
+        for column in range(len(rows.records[0].cells) if rows.records else 0):
             cells = rows.column(column)
-            if not fill_measured(point, cells, full[:len(cells)]):
+            found = measured_items(cells, full[:len(cells)])
+            if found.error is not None:
+                measures.append(found)
                 continue
-            agreements = [o.agreement for o in point.outcomes]
+            agreements = [o.agreement for o in found.outcomes]
             ran = None if groups is None else groups[:len(cells)]
-            point.agreement_with_full = sum(agreements) / len(agreements)
-            point.agreement_ci = bootstrap_mean(agreements, ran)
-            point.worst_prompt_agreement = min(agreements)
-            point.mean_kl = sum(o.mean_kl for o in point.outcomes) / len(point.outcomes)
-            point.kl_p95 = percentile([kl for c in cells for kl in c.kl_per_step], 0.95)
             divergences = [c.first_divergence for c in cells if c.first_divergence is not None]
-            point.first_divergence = min(divergences) if divergences else None
-            point.items_scored = len(cells)
+            found = replace(found, agreement_with_full=sum(agreements) / len(agreements),
+                            agreement_ci=bootstrap_mean(agreements, ran), worst_prompt_agreement=min(agreements),
+                            mean_kl=sum(o.mean_kl for o in found.outcomes) / len(found.outcomes),
+                            kl_p95=percentile([kl for c in cells for kl in c.kl_per_step], 0.95),
+                            first_divergence=min(divergences) if divergences else None, items_scored=len(cells))
             if workload.answered:
-                fill_accuracy(point, point.outcomes, [cell.outcome for cell in full[:len(cells)]], ran)
+                found = with_accuracy(found, [cell.outcome for cell in full[:len(cells)]], ran)
+            measures.append(found)
         notes = []
         if workload.answered:
             right = sum(bool(c.outcome.correct) for c in full)
@@ -305,7 +336,8 @@ class PromptMeasuring:
         if groups is not None:
             notes.append(f"{len(set(groups))} groups of prompts sharing a document: each group is one unit of every "
                          "test, and every interval resamples whole groups.")
-        return Measured(workload.sizing_length(), notes, [record.listing for record in rows.records], groups)
+        return measures, Measured(workload.sizing_length(), notes, [record.listing for record in rows.records],
+                                  groups)
 
 
 class TextMeasuring:
@@ -326,15 +358,13 @@ class TextMeasuring:
                  for o in outcomes]
         return Rows([ItemRecord({"id": workload.play}, len(ids), cells)])
 
-    def fill(self, workload: TextWorkload, points: list, rows: Rows) -> Measured:
+    def measure(self, workload: TextWorkload, rows: Rows) -> tuple[list[Measures], Measured]:
         cells = rows.records[0].cells
         full_bytes = cells[0].kv_bytes if cells[0].error is None else None
-        for point, cell in zip(points, cells, strict=True):
-            if cell.error is not None:
-                point.error = cell.error
-                continue
-            point.kv_bytes, point.kv_bytes_full, point.perplexity = cell.kv_bytes, full_bytes, cell.perplexity
-        return Measured(rows.records[0].tokens, [])
+        measures = [Measures(error=cell.error) if cell.error is not None else
+                    Measures(kv_bytes=cell.kv_bytes, kv_bytes_full=full_bytes, perplexity=cell.perplexity)
+                    for cell in cells]
+        return measures, Measured(rows.records[0].tokens, [])
 
 
 MEASURING = {m.kind: m for m in (TaskMeasuring(), PromptMeasuring(), TextMeasuring())}

@@ -107,16 +107,18 @@ class WorkerPools:
         self.close()
 
 
-KEPT = WorkerPools()  # this process's kept workers (a server's); a config with keep_seconds 0 never leaves any here
+WORKER_POOLS = WorkerPools()  # this process's kept workers (a server's); keep_seconds 0 never leaves any here
 
 
 def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload, store: ShardStore | None,
-                 block_size: int = DEFAULT_BLOCK_SIZE):
+                 block_size: int = DEFAULT_BLOCK_SIZE, stop: threading.Event | None = None):
     """A round source for :func:`kvviz.studies.sweep.run_sweep` that measures each round's items in shards on the
-    cluster ``config`` names, reusing and saving shards in ``store``."""
+    cluster ``config`` names, reusing and saving shards in ``store``. It computes nothing in this process: a run
+    waiting on it holds no place in the model's engine (:class:`kvviz.runtime.jobs.Elsewhere`). ``stop`` set (the
+    run was cancelled): no further shard is started, and the sweep ends with what was stored."""
 
     def measure(specs: list[str], indices: list[int], progress: Progress | None) -> tuple[Rows, ShardRun]:
-        with KEPT.lease(config, source) as pool:
+        with WORKER_POOLS.lease(config, source) as pool:
             return measure_on(pool, specs, indices, progress)
 
     def measure_on(pool: WorkerPool, specs: list[str], indices: list[int],
@@ -144,7 +146,8 @@ def sharded_rows(config: ClusterConfig, source: ModelSource, workload: Workload,
             report()
 
         report()
-        pool.run(measure_shard, [(workload, shards[i].specs, shards[i].items, block_size) for i in missing], done)
+        pool.run(measure_shard, [(workload, shards[i].specs, shards[i].items, block_size) for i in missing], done,
+                 stop)
         run = ShardRun(pool.address, pool.size, len(shards), reused, seconds)
         return Rows.join([parts[i] for i in range(len(shards))]), run
 

@@ -24,12 +24,14 @@ runs the methods on them and reports.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import asdict, dataclass, field
 
-from kvviz.engine.session import PromptError, PromptSession, capture_for, reference_first
+from kvviz.comparison.session import PromptError, PromptSession, capture_for, reference_first
 from kvviz.methods import MethodStack, parse_spec
-from kvviz.runtime.engine import on_engine
+from kvviz.runtime.admission import ALONE
+from kvviz.runtime.jobs import Job, Stage, Steps, Turn
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress, share
 from kvviz.studies.needle import check_grid, split_for_mode
@@ -179,7 +181,6 @@ class Calibration:
                  else "items"} for label, (g, k) in self.counts.items()]
 
 
-@on_engine
 def run_tail(
     loaded: LoadedModel,
     specs: list[str],
@@ -197,8 +198,17 @@ def run_tail(
     method again with those spans protected) on the items full got right.
 
     One prefill per item is shared by all methods. PromptError or SpecError for bad arguments, before any model
-    work.
+    work. One job on the model's engine (:func:`tail_job`), whose result this waits for.
     """
+    return loaded.engine.run(tail_job(loaded, specs, tasks, lengths, depths, hops, trials, seed, mode, protect),
+                             progress)
+
+
+def tail_job(loaded: LoadedModel, specs: list[str], tasks: list[str], lengths: list[int], depths: list[float],
+             hops: list[int] | None = None, trials: int = 1, seed: int = 0, mode: str = "query_aware",
+             protect: list[str] | None = None) -> Job[TailReport]:
+    """:func:`run_tail` as a job: the arguments checked and the items generated here, then one item per step,
+    decoded alone, the model given back between items so that other runs take their turns."""
     hops = list(hops or range(1, MAX_HOPS + 1))
     protect = list(protect or [])
     check_tail(specs, tasks, lengths, depths, hops, trials, mode, protect)
@@ -206,19 +216,23 @@ def run_tail(
     runs = [(stack, "") for stack in stacks]
     runs += [(stack, name) for name in protect for stack in stacks if stack.label != "full"
              and stack.eviction is not None]
-    capture = capture_for(stacks)
     items = generate_items(loaded.tokenizer, tasks, lengths, depths, hops, trials, seed)
+    settings = {"model": loaded.name, "methods": [s.label for s in stacks], "tasks": tasks, "lengths": lengths,
+                "depths": depths, "hops": hops, "trials": trials, "seed": seed, "mode": mode, "protect": protect}
+    return Job(functools.partial(_tail_steps, loaded, runs, capture_for(stacks), items, settings), ALONE, "tail")
+
+
+def _tail_steps(loaded: LoadedModel, runs: list[tuple[MethodStack, str]], capture, items: list[TailItem],
+                settings: dict, progress: Progress) -> Steps[TailReport]:
     started = time.perf_counter()
     cells: list[TailCell] = []
     calibration = Calibration()
     for number, item in enumerate(items):
+        yield Turn(ALONE) if number else Stage.MEASURE
         report = share(progress, number / len(items), (number + 1) / len(items),
                        f"{item.label}, {item.length} tokens: ")
-        cells += _run_item(loaded, item, runs, capture, mode, calibration, report)
-    if progress is not None:
-        progress(1.0, "done")
-    settings = {"model": loaded.name, "methods": [s.label for s in stacks], "tasks": tasks, "lengths": lengths,
-                "depths": depths, "hops": hops, "trials": trials, "seed": seed, "mode": mode, "protect": protect}
+        cells += _run_item(loaded, item, runs, capture, settings["mode"], calibration, report)
+    progress(1.0, "done")
     return TailReport(cells, calibration.rows(), items, time.perf_counter() - started, settings)
 
 

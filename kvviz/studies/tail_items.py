@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvviz.engine.session import PromptError
+from kvviz.comparison.session import PromptError
 from kvviz.studies.needle import build_needle_prompt, filler_for, filler_sentences, first_token_at, span_tokens
 
 TASKS = ("needle", "multikey", "multivalue", "vartrack", "instructions")

@@ -1,8 +1,8 @@
 """Three axes, one budget: spend the same share of the full cache on fewer heads, fewer tokens or fewer bits.
 
 One needle prompt (a pass key hidden in filler, :mod:`kvviz.studies.needle`) replayed under each SPEC: agreement and KL
-with full (teacher-forced, :mod:`kvviz.engine.metrics`), whether the answer holds the key, and the bytes split into the
-three factors (:mod:`kvviz.cache.architecture`). ``python -m kvviz axes`` prints it; the Lessons page runs it live.
+with full (teacher-forced, :mod:`kvviz.comparison.metrics`), whether the answer holds the key, and the bytes split into
+the three factors (:mod:`kvviz.cache.architecture`). ``python -m kvviz axes`` prints it; the Lessons page runs it live.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
-from kvviz.engine.session import compare
+from kvviz.comparison.session import compare
 from kvviz.planning.memory import ModelCard
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress

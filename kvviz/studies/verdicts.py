@@ -98,16 +98,23 @@ def sweep_design(points: Sequence, judged: Sequence[int], margin: float) -> Desi
     return Design(margin / 100, Families.of([(points[i].family, points[i].budget) for i in judged]))
 
 
+def full_point(points: Sequence):
+    """The full cache's point among ``points``, every other point's reference (None where it failed to run): the
+    one place a sweep finds it (:attr:`kvviz.studies.sweep.SweepReport.full` reads it here too)."""
+    return next((p for p in points if p.spec == "full"), None)
+
+
 def judge(points: Sequence, measure: Measure, margin: float, threshold: float, groups: list[str] | None,
           exploratory: bool = False) -> list[Paired | None]:
-    """Each point against full (the first point) on ``measure``, all decided at once by the sweep's closed
-    procedure (:mod:`kvviz.studies.sequential`); full and points without items get None. A point that ran fewer
-    items than full (an adaptive sweep stopped it) is paired on the items it ran."""
+    """Each point against full on ``measure``, all decided at once by the sweep's closed procedure
+    (:mod:`kvviz.studies.sequential`); full and points without items get None. A point that ran fewer items than
+    full (an adaptive sweep stopped it) is paired on the items it ran."""
     judged: list[Paired | None] = [None] * len(points)
-    full = item_values(points[0], measure, threshold)
+    reference = full_point(points)
+    full = None if reference is None else item_values(reference, measure, threshold)
     if full is None or measure.paired is None:
         return judged
-    found = [(i, item_values(p, measure, threshold)) for i, p in enumerate(points) if i > 0]
+    found = [(i, item_values(p, measure, threshold)) for i, p in enumerate(points) if p is not reference]
     found = [(i, v) for i, v in found if v is not None]
     if not found:
         return judged
@@ -254,15 +261,17 @@ def recommendation(points: Sequence, measure: Measure, margin: float, scope: str
     """Sentences a reader can deploy from: full's own score, the most compressed configuration (in ``layout``'s
     bytes) proven within the margin (or that none is: the closest, and how many items proving anything would take),
     and the configurations proven below full; all read from the verdicts the cliffs read."""
-    full = points[0]
+    full = full_point(points)
+    lines: list[str] = []
+    if full is None:
+        return lines
     compression = {p.spec: compression_of(p, full, layout) for p in points}
-    lines = []
     interval = getattr(full, measure.interval) if measure.interval else None
     if measure.key == "accuracy" and full.accuracy is not None:
         right = sum(bool(o.correct) for o in full.outcomes)
         lines.append(f"{scope}, the full cache is right on {right} of {len(full.outcomes)} "
                      f"({measure.with_interval(full.accuracy, interval)}).")
-    judged = [(p, p.paired) for p in points[1:] if p.paired is not None and compression[p.spec]]
+    judged = [(p, p.paired) for p in points if p is not full and p.paired is not None and compression[p.spec]]
     if not judged:
         return lines
     families = len({p.family for p, _ in judged})
@@ -336,7 +345,7 @@ def judged_report(report, margin: float, threshold: float, layout: str = "counte
     if judged.workload_kind != "text":
         full = judged.full
         accuracy = full.accuracy if full is not None and full.accuracy else None
-        families = len({p.family for p in points[1:] if p.paired is not None}) or 1
+        families = len({p.family for p in points if p.paired is not None}) or 1
         judged.plan = plan(judged.item_cap or items, margin, families, judged.item_cap is not None,
                            accuracy if accuracy is not None else 1.0)
     judged.frontiers = {key: [p.spec for p, flag in zip(points, frontier_flags(points, MEASURES[key], threshold,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from kvviz.engine.prompts import PromptLine
-from kvviz.engine.session import PromptError, encode_prompt
+from kvviz.comparison.prompts import PromptLine
+from kvviz.comparison.session import PromptError, encode_prompt
 from kvviz.studies.frontier import ACCURACY, AGREEMENT, MEAN_KL, PERPLEXITY, TAIL, Measure
 
 SWEEP_TASKS = ("needle", "multikey", "multivalue", "vartrack")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import parse_spec
 from kvviz.methods.kvpress.adakv import adaptive_keep
 from kvviz.runtime.replay import forward_step

@@ -49,7 +49,7 @@ def test_eviction_is_a_gather_of_codes_and_absmax():
 
 
 def test_bnb_decodes_on_the_tiny_model(tiny_model, story_ids):
-    from kvviz.engine.session import compare
+    from kvviz.comparison.session import compare
 
     comparison = compare(tiny_model, story_ids[:40], ["bnb:type=int8"], max_new_tokens=4)
     result = comparison.by_method("bnb:type=int8")

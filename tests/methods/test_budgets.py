@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import REGISTRY, Budget, budget_spec
 
 PROMPT, BUDGET, STEPS = 64, 24, 6  # decoding compresses on the step after its 4th

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvviz.engine.diagnostics import reconstruction_error
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.diagnostics import reconstruction_error
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
 from tests.methods.test_window import prompt
 
@@ -97,7 +97,7 @@ def test_stacks_with_eviction_and_bytes_follow_the_kept_tokens(tiny_model):
 
 
 def test_reconstruction_error_diagnostics_rank_the_formats(real_model, story_ids):
-    from kvviz.engine.diagnostics import prefill_kv
+    from kvviz.comparison.diagnostics import prefill_kv
 
     kv = prefill_kv(PromptSession(real_model, story_ids[:120]))
     e4m3 = reconstruction_error(kv, "fp8:format=e4m3,scale=token")

@@ -27,7 +27,7 @@ def test_quanto_layer_stores_packed_codes_and_re_quantizes_when_the_residual_fil
 
 
 def test_missing_backend_is_one_line_and_does_not_sink_a_comparison(monkeypatch, tiny_model, story_ids):
-    from kvviz.engine.session import compare
+    from kvviz.comparison.session import compare
 
     monkeypatch.setitem(hf.BACKENDS, "quanto", ("kvviz_no_such_backend", "optimum-quanto", (2, 4)))
     with pytest.raises(SpecError, match="needs the 'optimum-quanto' package") as caught:

@@ -137,8 +137,8 @@ SPECS = ["kivi:bits=4,residual=32", "kivi:bits=2,residual=32", "per_token:bits=2
 
 
 def test_real_model_agreement_and_key_error(real_model, story_ids):
-    from kvviz.engine.diagnostics import key_channel_stats, prefill_kv, reconstruction_error
-    from kvviz.engine.session import PromptSession, compare
+    from kvviz.comparison.diagnostics import key_channel_stats, prefill_kv, reconstruction_error
+    from kvviz.comparison.session import PromptSession, compare
 
     prompts = [real_model.tokenizer(text)["input_ids"] for text in PROMPTS] + [story_ids[:100]]
     agreement = {spec: [] for spec in SPECS}
@@ -165,8 +165,8 @@ def test_real_model_agreement_and_key_error(real_model, story_ids):
 
 def test_comparison_reports_quantization_error_from_its_own_prefill(tiny_model):
     """Compare diagnoses its quantizers on the prefill it already ran: the same numbers as a separate prefill."""
-    from kvviz.engine.diagnostics import key_channel_stats, prefill_kv, reconstruction_error
-    from kvviz.engine.session import PromptSession, compare
+    from kvviz.comparison.diagnostics import key_channel_stats, prefill_kv, reconstruction_error
+    from kvviz.comparison.session import PromptSession, compare
 
     ids = list(range(5, 85))
     comparison = compare(tiny_model, ids, ["full", "window:window=16", "kivi:residual=0",
@@ -183,8 +183,8 @@ def test_comparison_reports_quantization_error_from_its_own_prefill(tiny_model):
 
 def test_stacks_quantizing_the_same_way_share_one_diagnosis(tiny_model, monkeypatch):
     """kivi:bits=4 alone and after SnapKV store the prompt the same way: the report quantizes it once for both."""
-    from kvviz.engine import diagnostics
-    from kvviz.engine.session import compare
+    from kvviz.comparison import diagnostics
+    from kvviz.comparison.session import compare
 
     diagnosed = []
     original = diagnostics.reconstruction_error

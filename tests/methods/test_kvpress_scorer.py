@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
 from kvviz.methods.kvpress.scorer import PRESSES
 from tests.methods.test_window import prompt

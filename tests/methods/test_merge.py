@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import parse_spec
 from kvviz.methods.kvpress.fork import _merge_targets
 from kvviz.methods.merge import merge_into_nearest, nearest_survivor

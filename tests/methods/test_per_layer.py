@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import SpecError, parse_spec
 from kvviz.methods.kvpress.per_layer import layer_ratio
 from tests.methods.test_window import prompt

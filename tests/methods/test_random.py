@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from tests.methods.test_window import prompt, step_through
 
 

@@ -67,7 +67,7 @@ def test_rerotation_is_exact_where_distances_do_not_change(tiny_model):
 
 def test_rerotated_window_predicts_like_absolute_window(tiny_model):
     """The position shift is right to the token: without sinks both variants must give the same distributions."""
-    from kvviz.engine.session import PromptSession
+    from kvviz.comparison.session import PromptSession
 
     session = PromptSession(tiny_model, prompt(tiny_model, 30))
     runs = [session.run(f"streaming_llm:sinks=0,window=8,rerotate={r}", 16, keep_logprobs=True) for r in (0, 1)]

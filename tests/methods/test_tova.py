@@ -42,7 +42,7 @@ def test_drops_the_least_attended_entry_each_step(tiny_model):
 
 
 def test_prefill_keeps_the_last_querys_favourites(tiny_model):
-    from kvviz.engine.session import PromptSession
+    from kvviz.comparison.session import PromptSession
 
     ids = prompt(tiny_model, 30)
     session = PromptSession(tiny_model, ids)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvviz.engine.session import PromptSession, capture_for
+from kvviz.comparison.session import PromptSession, capture_for
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runtime.replay import forward_step
 

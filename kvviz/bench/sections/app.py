@@ -44,7 +44,7 @@ from kvviz.bench.browser import (
 from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import prompt_tokens
-from kvviz.engine.session import compare, encode_prompt
+from kvviz.comparison.session import compare, encode_prompt
 from kvviz.runtime.models import LoadedModel
 
 if TYPE_CHECKING:

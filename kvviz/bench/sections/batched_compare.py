@@ -11,7 +11,7 @@ from transformers import DynamicCache
 from kvviz.bench.harness import BenchRun, Section, bench_section, interleaved, timed
 from kvviz.bench.specs import batched_specs
 from kvviz.bench.workloads import fitted_prompt
-from kvviz.engine.session import PromptSession, capture_for, compare
+from kvviz.comparison.session import PromptSession, capture_for, compare
 from kvviz.methods import parse_spec
 from kvviz.runtime.models import LoadedModel
 

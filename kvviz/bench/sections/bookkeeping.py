@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.workloads import decode_step, fit, prompt_tokens
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import budget_spec
 from kvviz.runtime.invariance import rows_as_they_come
 from kvviz.runtime.models import LoadedModel

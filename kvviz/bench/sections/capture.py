@@ -7,7 +7,7 @@ from dataclasses import replace
 from kvviz.bench.harness import BenchRun, PeakMemory, Section, bench_section, timed
 from kvviz.bench.workloads import fit, prompt_tokens
 from kvviz.cache.capture import CaptureConfig
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import budget_spec
 from kvviz.planning.memory import model_card
 

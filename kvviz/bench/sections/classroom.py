@@ -2,9 +2,9 @@
 class of 30 would see here one run at a time, projected from those per-run times (:mod:`kvviz.planning.classroom`),
 and two classes served for real, one run at a time and as the server admits runs together
 (:mod:`kvviz.runtime.admission`): 30 short comparisons, and a few students each comparing six configurations on
-their own 2K-token upload (``--class-students``). Both ways run through the app's scheduler
-(:class:`~kvviz.runtime.scheduler.Scheduler`, the same class the app serves through) and the app's path (the running
-batch, its rows padded as the app pads them), so neither side is favoured.
+their own 2K-token upload (``--class-students``). Both ways are submitted to the model's engine
+(:class:`~kvviz.runtime.engine.Engine`, which the app's pages submit to) as the pages' jobs (the running batch, its
+rows padded as the app pads them), so neither side is favoured.
 
 No browser: the requests are the ones the pages run (``kvviz.lessons.step_requests``, Compare's
 ``CompareRequest``), so the section runs wherever the model does, a GPU included (``scripts/gpu_check.sh`` runs it
@@ -14,6 +14,7 @@ the first projection's class through real Streamlit sessions.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from typing import NamedTuple
@@ -23,14 +24,13 @@ import torch
 from kvviz.bench.harness import BenchRun, Section, bench_section, interleaved, timed
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.engine.session import encode_prompt
+from kvviz.comparison.session import encode_prompt
 from kvviz.lessons import step_requests
 from kvviz.planning.classroom import ClassRun, ClassWait, percentile, project_class
 from kvviz.runs import CompareRequest, RunRequest
-from kvviz.runtime.admission import ADMISSION, ONE_AT_A_TIME, Admission
+from kvviz.runtime.admission import ADMISSION, ONE_AT_A_TIME, RUNS_TOGETHER, Admission
+from kvviz.runtime.jobs import Handle, Status
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.scheduler import DONE, Scheduler
-from kvviz.runtime.together import RUNS_TOGETHER
 
 STUDENTS = 30
 LESSON_STUDENTS = 5  # as in the load test: five students on Lessons step 1 share one run, the others compare
@@ -52,20 +52,30 @@ def _student_request(loaded: LoadedModel, prompt: str) -> CompareRequest:
 
 
 def serve_class(loaded: LoadedModel, requests: list[RunRequest], admission: Admission) -> tuple[list[float], int]:
-    """Every request submitted at once to the app's scheduler (:class:`~kvviz.runtime.scheduler.Scheduler`, one
-    student each, so its round-robin is the order of submission), each run started once ``admission`` admits it
-    beside the runs in progress, comparisons among them decoding in one batch. Returns each request's seconds from
-    the submission until its result, and the most runs that were in progress at once."""
-    scheduler = Scheduler(abandon_after=None, together=admission.most_runs, admission=admission)
-    started = time.monotonic()  # the clock tickets keep
-    tickets = [scheduler.submit(f"student-{index}", lambda progress, r=request: r.run(loaded, progress),
-                                request.run_size(loaded)) for index, request in enumerate(requests)]
-    scheduler.close()
-    for ticket in tickets:
-        ticket.done.wait()
-        if ticket.status != DONE:
-            raise RuntimeError(f"a student's run did not finish: {ticket.error}")
-    return [ticket.finished_at - started for ticket in tickets], scheduler.most_at_once
+    """Every request's job submitted at once to the model's engine (one student each, so its round-robin is the
+    order of submission), under ``admission`` for the class's length (the engine's own policy back after), each run
+    admitted beside the runs in progress as the policy says, comparisons among them decoding in one batch. Returns
+    each request's seconds from the submission until its result, and the most runs that were in progress at once."""
+    engine = loaded.engine
+    jobs = [request.job(loaded) for request in requests]
+    policy, engine.admission = engine.admission, admission
+    try:
+        started = time.monotonic()  # the clock handles keep
+        handles = engine.submit_all(jobs, [f"student-{index}" for index in range(len(jobs))])
+        for handle in handles:
+            handle.wait()
+            if handle.status is not Status.DONE:
+                raise RuntimeError(f"a student's run did not finish: {handle.error or handle.status.value}")
+    finally:
+        engine.admission = policy
+    return [handle.finished_at - started for handle in handles], most_at_once(handles)
+
+
+def most_at_once(handles: list[Handle]) -> int:
+    """The most runs in progress at the same moment, from each run's admission and finish."""
+    events = sorted([(handle.started_at, 1) for handle in handles] + [(handle.finished_at, -1) for handle in handles],
+                    key=lambda event: (event[0], event[1]))
+    return max(itertools.accumulate(change for _, change in events), default=0)
 
 
 class ServedCounters(NamedTuple):
@@ -93,12 +103,12 @@ def add_served_class(section: Section, name: str, loaded: LoadedModel, requests:
     ways, and where the time went: decode steps are what runs share (and prefills of prompts nobody records), so
     their share of the time one at a time and how much shorter they got together say what the ratio can be on this
     device."""
-    engine, prefills = loaded.engine, loaded.prefills
+    engine = loaded.engine
 
     def counters() -> ServedCounters:
-        return ServedCounters(engine.shared_forwards, prefills.shared_forwards, engine.seconds)
+        return ServedCounters(engine.shared_forwards, engine.shared_prefills, engine.seconds)
 
-    sizes = [request.run_size(loaded) for request in requests]
+    sizes = [job.size for job in (request.job(loaded) for request in requests)]
     alone = not any(ADMISSION.admits([first], second) for first in sizes for second in sizes)
     served_ways = ["one_at_a_time"] if alone else list(WAYS)  # alone: the server's way is one at a time, the
     # same schedule, so serving it twice would only measure the machine's noise

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from kvviz.bench.harness import BenchRun, Section, bench_section, shared_measurement
 from kvviz.bench.specs import eviction_specs
 from kvviz.bench.workloads import decode_step, fit, prompt_tokens
-from kvviz.engine.session import PromptSession, capture_for
+from kvviz.comparison.session import PromptSession, capture_for
 from kvviz.methods import parse_spec
 
 

@@ -24,8 +24,8 @@ from kvviz.bench.browser import resident_bytes
 from kvviz.bench.harness import BenchRun, Section, bench_section, interleaved
 from kvviz.bench.specs import app_specs
 from kvviz.bench.workloads import prompt_tokens
-from kvviz.engine.results import Comparison
-from kvviz.engine.session import compare
+from kvviz.comparison.results import Comparison
+from kvviz.comparison.session import compare
 
 Work = tuple[list[int], list[str], int]  # prompt ids, configurations, new tokens: one comparison
 

@@ -7,7 +7,7 @@ from kvviz.bench.harness import BenchRun, Section, bench_section
 from kvviz.bench.sections.shared_prefill import shared_forks
 from kvviz.bench.specs import KIVI, eviction_specs
 from kvviz.bench.workloads import prompt_tokens
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import parse_spec
 
 

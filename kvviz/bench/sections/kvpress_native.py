@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.workloads import fitted_prompt
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.methods import REGISTRY, parse_spec
 from kvviz.methods.kvpress.fork import attention_modules
 

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.workloads import fitted_prompt
-from kvviz.engine.session import PromptSession, capture_for
+from kvviz.comparison.session import PromptSession, capture_for
 from kvviz.methods import REGISTRY, budget_spec, parse_spec
 
 

@@ -13,7 +13,7 @@ import torch
 
 from kvviz.bench.harness import BenchRun, Section, bench_section, timed
 from kvviz.bench.workloads import fit, prompt_tokens
-from kvviz.engine.session import PromptSession
+from kvviz.comparison.session import PromptSession
 from kvviz.runtime.invariance import rows_as_they_come
 from kvviz.runtime.models import LoadedModel
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from kvviz.bench.harness import BenchRun, Section, bench_section, shared_measurement, sync, timed
 from kvviz.bench.specs import comparison_specs
 from kvviz.bench.workloads import fitted_prompt
-from kvviz.engine.results import MethodResult
-from kvviz.engine.session import PromptSession, capture_for
+from kvviz.comparison.results import MethodResult
+from kvviz.comparison.session import PromptSession, capture_for
 from kvviz.methods import parse_spec
 from kvviz.planning.memory import ModelCard
 

@@ -15,7 +15,7 @@ count, a one-row loop does not (:mod:`kvviz.runtime.invariance`), as in the app.
 from __future__ import annotations
 
 from kvviz.bench.harness import BenchRun, Section, Spread, bench_section, timed
-from kvviz.engine.session import compare
+from kvviz.comparison.session import compare
 from kvviz.methods import REGISTRY, Sizing, SpecError
 from kvviz.planning.memory import model_card
 from kvviz.studies.perplexity import play_text, streaming_perplexities, streaming_perplexity

@@ -21,7 +21,7 @@ from kvviz.runtime.cluster import (
     ray_running,
 )
 from kvviz.studies.sweep import run_sweep
-from kvviz.studies.sweep_ray import KEPT, sharded_rows
+from kvviz.studies.sweep_ray import WORKER_POOLS, sharded_rows
 from kvviz.studies.workloads import TaskWorkload
 
 FAMILIES = ("streaming_llm", "snapkv", "kivi:residual=0")  # the Trade-offs page's first run
@@ -54,7 +54,7 @@ def sweep_ray(run: BenchRun) -> Section:
         start_seconds, _ = timed(loaded.device, lambda: _started(config, source))
         _measure(run, section, workload, config, source, start_seconds)
     finally:
-        KEPT.close()
+        WORKER_POOLS.close()
         if started_here:
             disconnect()
     return section
@@ -62,7 +62,7 @@ def sweep_ray(run: BenchRun) -> Section:
 
 def _started(config: ClusterConfig, source: ModelSource) -> WorkerPool:
     """The section's worker, started and kept (``config.keep_seconds``) for the sweeps that lease it next."""
-    with KEPT.lease(config, source) as pool:
+    with WORKER_POOLS.lease(config, source) as pool:
         return pool
 
 
@@ -80,7 +80,7 @@ def _measure(run: BenchRun, section: Section, workload: TaskWorkload, config: Cl
     here, on_ray = Spread(here_seconds), Spread(ray_seconds)
     shard_run = reports["ray"].shard_run
     worker_seconds = sum(s for s in shard_run.shard_seconds if s is not None)
-    with KEPT.lease(config, source) as pool:  # the worker the sweeps used, kept
+    with WORKER_POOLS.lease(config, source) as pool:  # the worker the sweeps used, kept
         noop_seconds, _ = timed(loaded.device, lambda: pool.run(nothing, [(i,) for i in range(NOOP_JOBS)],
                                                                lambda index, result, seconds: None))
     same = ({k: v for k, v in reports["ray"].to_json().items() if k not in TIMED_KEYS}

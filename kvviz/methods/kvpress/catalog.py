@@ -1,8 +1,8 @@
 """Which kvpress presses kvviz offers by name: every press kvpress exports, plus the server's own.
 
 The server's own presses are dotted paths the entry points pass in (:func:`configure_presses`, called with the
-deployment settings by :func:`kvviz.engine.startup.apply_settings`): nothing here reads the environment, so a test or
-a script says which presses it offers by calling the same function. A path that cannot be loaded costs
+deployment settings by :func:`kvviz.comparison.startup.apply_settings`): nothing here reads the environment, so a test
+or a script says which presses it offers by calling the same function. A path that cannot be loaded costs
 only itself: every other press stays available and the problem is one line (``kvviz config`` refuses it).
 """
 
@@ -37,13 +37,21 @@ class OwnPresses:
     allowed: bool = True
 
 
-_own = [OwnPresses()]  # what the entry point configured; none until it does
+class _Configured:
+    """What the entry point configured (none until it does): the one catalog setting of this process."""
+
+    own = OwnPresses()
 
 
 def configure_presses(paths: Sequence[str], allowed: bool) -> None:
     """Offer the presses at ``paths`` (``package.module.Class``) besides kvpress's, when ``allowed``. The entry points
     call it with ``Settings.presses`` and ``Settings.custom_presses_allowed``; loading waits for the first lookup."""
-    _own[0] = OwnPresses(tuple(paths), allowed)
+    _Configured.own = OwnPresses(tuple(paths), allowed)
+
+
+def own_presses() -> OwnPresses:
+    """The server's own presses as the entry point configured them."""
+    return _Configured.own
 
 
 def press_name(cls: type) -> str:
@@ -86,7 +94,7 @@ def _load_own(own: OwnPresses) -> tuple[tuple[tuple[str, type], ...], tuple[str,
 def custom_press_problems() -> list[str]:
     """The configured own presses that cannot be offered, one line each (``kvviz config`` refuses them, and asking
     for a press that is not there says so)."""
-    return list(_load_own(_own[0])[1])
+    return list(_load_own(_Configured.own)[1])
 
 
 def kvpress_classes() -> dict[str, type]:
@@ -104,7 +112,7 @@ def kvpress_classes() -> dict[str, type]:
 
 def press_catalog() -> dict[str, type]:
     """kvpress's presses plus the configured own ones, by SPEC name."""
-    return {**kvpress_classes(), **dict(_load_own(_own[0])[0])}
+    return {**kvpress_classes(), **dict(_load_own(_Configured.own)[0])}
 
 
 def not_mappable_reason(cls: type) -> str | None:

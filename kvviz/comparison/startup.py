@@ -21,8 +21,16 @@ import threading
 from kvviz.methods.kvpress.catalog import configure_presses
 from kvviz.runtime.settings import Settings
 
-_started: list[Settings] = []  # the server's settings, once start_server ran
-_starting = threading.Lock()
+
+class _Server:
+    """This process's server start-up: its settings once :func:`start_server` applied them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.settings: Settings | None = None
+
+
+_SERVER = _Server()
 
 
 def apply_settings() -> Settings:
@@ -36,7 +44,7 @@ def apply_settings() -> Settings:
 def start_server() -> Settings:
     """The app's start-up, once per process (the entry script runs on every rerun of every session): the settings
     applied (:func:`apply_settings`); later calls return them."""
-    with _starting:
-        if not _started:
-            _started.append(apply_settings())
-        return _started[0]
+    with _SERVER.lock:
+        if _SERVER.settings is None:
+            _SERVER.settings = apply_settings()
+        return _SERVER.settings

@@ -8,6 +8,7 @@ independent run of that method would do.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,12 +23,14 @@ from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.protect import protected_positions
 from kvviz.cache.rotation import rope_rotator
 from kvviz.cache.stats import AttentionStats, StatsRecorder
-from kvviz.engine.diagnostics import quantization_report
-from kvviz.engine.metrics import forced_comparison
-from kvviz.engine.results import Comparison, MethodResult
+from kvviz.comparison.diagnostics import quantization_report
+from kvviz.comparison.metrics import forced_comparison
+from kvviz.comparison.results import Comparison, MethodResult
 from kvviz.methods import MethodStack, SpecError, parse_spec
 from kvviz.planning.memory import model_card
+from kvviz.runtime.admission import RunSize
 from kvviz.runtime.batch import ROW_ERRORS, DecodeGroup, Row
+from kvviz.runtime.jobs import Decode, Job, SharedPrefill, Stage, Steps
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefill import PrefixPrefill, prefill_with_prefix, reusable_tokens
 from kvviz.runtime.progress import Progress, share
@@ -84,8 +87,8 @@ class Prefill:
 
 
 class PromptSession:
-    """A loaded model and one tokenized prompt. Not thread-safe: use it in work handed to the model's engine
-    (``loaded.engine.call``) or under ``loaded.lock``."""
+    """A loaded model and one tokenized prompt. Not thread-safe: its forwards belong in a job's steps, which the
+    model's engine runs (:mod:`kvviz.runtime.engine`)."""
 
     def __init__(self, loaded: LoadedModel, prompt_ids: list[int], reuse_prefix: bool = False):
         """``reuse_prefix``: prefill through the model's prefix cache when the capture allows (kvviz.runtime.prefix)."""
@@ -124,15 +127,9 @@ class PromptSession:
         self._capture = capture
         return self._prefill
 
-    def prefill_shared(self) -> None:
-        """Prefill the prompt in the model's shared prefill, in one forward with other runs' prompts waiting then
-        (:class:`kvviz.runtime.together.SharedPrefill`); for a prompt nobody records, called outside the engine's
-        turn."""
-        self.adopt(self.loaded.prefills.prefill(self.prompt_ids, self.reuse_prefix))
-
     def adopt(self, run: PrefixPrefill) -> None:
-        """Take a prefill of this prompt that ran elsewhere (in a forward shared with other prompts), with no
-        capture."""
+        """Take a prefill of this prompt that ran elsewhere (the engine's shared prefill, a forward with other runs'
+        prompts), with no capture."""
         self._prefill = Prefill(run.cache, run.last_logits, None, run.seconds, run.lookup.reused_tokens)
         self._capture = None
 
@@ -231,7 +228,7 @@ def compare(
     """Replay ``specs`` on one prompt; ``full`` runs first (added if missing) and is everyone's reference.
 
     Each method's text is its own free-running output; its agreement, KL and first divergence are teacher-forced on
-    full's tokens (:mod:`kvviz.engine.metrics`). A method whose free-running tokens equal full's needs no
+    full's tokens (:mod:`kvviz.comparison.metrics`). A method whose free-running tokens equal full's needs no
     teacher-forced decode: it would feed the method exactly the inputs it already saw. A method that fails is reported
     with its error while the others still complete.
 
@@ -243,35 +240,52 @@ def compare(
     against. Both give the same tokens, ledgers and bytes (tests/test_batched.py). ``reuse_prefix``: the
     prefill reuses the model's prefix cache where the methods' capture allows (editing the end of a long prompt
     re-runs only the tail; see :mod:`kvviz.runtime.prefix`).
+
+    One job submitted to the model's engine (:func:`compare_job`), whose result this waits for.
     """
+    return loaded.engine.run(compare_job(loaded, prompt_ids, specs, max_new_tokens, sampling, batched, reuse_prefix),
+                             progress)
+
+
+def compare_job(loaded: LoadedModel, prompt_ids: Sequence[int], specs: Sequence[str], max_new_tokens: int = 64,
+                sampling: Sampling | None = None, batched: bool = True, reuse_prefix: bool = True) -> Job[Comparison]:
+    """:func:`compare` as a job for the model's engine: the SPECs parsed and the prompt checked here (SpecError,
+    PromptError before any model work), then the states the engine advances (:func:`compare_steps`). Every
+    configuration's row attends over the prompt at each step: that is the run's size for admission."""
     stacks = reference_first(specs)
+    session = PromptSession(loaded, list(prompt_ids), reuse_prefix)
+    return Job(functools.partial(compare_steps, session, stacks, max_new_tokens, sampling, batched),
+               RunSize(len(prompt_ids) * len(stacks), loaded.device), "compare")
+
+
+def compare_steps(session: PromptSession, stacks: list[MethodStack], max_new_tokens: int,
+                  sampling: Sampling | None, batched: bool, progress: Progress) -> Steps[Comparison]:
+    """A comparison's states: the prompt prefilled (in the engine's shared prefill when nothing records it, else on
+    its own with the methods' one capture), every method's cache forked and the prefill's quantization diagnosed,
+    the rows decoded in the engine's running batch, then scored against full."""
     capture = capture_for(stacks)  # one capture serves every method: forks never re-prefill
-    session = PromptSession(loaded, prompt_ids, reuse_prefix)
-    if progress is not None:  # a 2K prefill takes seconds on a CPU: say what they are spent on
-        progress(0.0, f"prefilling {len(prompt_ids):,} prompt tokens")
-    if capture is None:  # nothing records the prompt: it may share a forward with others'
-        session.prefill_shared()
-    engine = loaded.engine  # every piece of model work below runs on the model's engine thread, in turn with others'
-
-    def prefill_and_fork():
-        prefill = session.prefill(capture)
-        if batched:
-            return prefill, fork_rows(session, stacks, progress)
-        return prefill, _compare_sequential(session, stacks, max_new_tokens, sampling, progress)
-
-    prefill, made = engine.call(prefill_and_fork)
-    # the dense prefill is read only from here on: the diagnosis is one turn of its own, between decode steps
-    quantization = engine.call(lambda: quantization_report([layer.storage.materialize()
-                                                            for layer in prefill.cache.layers], stacks))
+    loaded = session.loaded
+    progress(0.0, f"prefilling {len(session.prompt_ids):,} prompt tokens")  # seconds on a CPU for a 2K prompt
+    if capture is None:  # nothing records the prompt: it may share a forward with other runs' prompts
+        (shared,) = yield SharedPrefill([session.prompt_ids], session.reuse_prefix)
+        session.adopt(shared)
+    else:
+        yield Stage.PREFILL
+    prefill = session.prefill(capture)
+    yield Stage.FORK
+    if batched:
+        made = fork_rows(session, stacks, progress)
+    else:
+        made = _compare_sequential(session, stacks, max_new_tokens, sampling, progress)
+    quantization = quantization_report([layer.storage.materialize() for layer in prefill.cache.layers], stacks)
     results = made
     if batched:
         group = decode_group(session, made, max_new_tokens, BOTH, sampling, progress)
-        engine.decode(group)
-        if group.error is not None:  # this run's step failed (cancelled, or the forward ran out of memory)
-            raise group.error
-        results = engine.call(lambda: group_results(session, made, BOTH))
-    return Comparison(loaded.name, loaded.device, len(prompt_ids), prompt_ids, prefill.seconds, results,
-                      quantization)
+        yield Decode([group])
+        yield Stage.SCORE
+        results = group_results(session, made, BOTH)
+    return Comparison(loaded.name, loaded.device, len(session.prompt_ids), session.prompt_ids, prefill.seconds,
+                      results, quantization)
 
 
 def reference_first(specs: Sequence[str]) -> list[MethodStack]:

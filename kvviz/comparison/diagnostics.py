@@ -17,7 +17,7 @@ LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, H_kv, T, D]
 
 
 def prefill_kv(session) -> list[LayerKV]:
-    """The dense K/V of every layer after a :class:`kvviz.engine.session.PromptSession`'s prefill."""
+    """The dense K/V of every layer after a :class:`kvviz.comparison.session.PromptSession`'s prefill."""
     return [layer.storage.materialize() for layer in session.prefill().cache.layers]
 
 

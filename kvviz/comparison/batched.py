@@ -3,8 +3,10 @@
 Each prompt is prefilled once and every configuration forks its cache from that prefill, as :func:`compare` does
 for one prompt. The prompts then decode in *waves*: every configuration of every prompt in a wave is a row of the
 same forward, one per step (the engine's running batch, :mod:`kvviz.runtime.engine`, which other users' runs may
-join). A wave holds as many prompts as fit under a row cap and a memory budget. Prompts that nobody's attention is
-recorded for (quantizers and fixed windows only) are prefilled together, several in one forward.
+join). A wave holds as many prompts as fit under a row cap and a memory budget, and is one step of the job the
+engine admits: between waves the model goes back to the engine, so other users' runs take their turns. Prompts that
+nobody's attention is recorded for (quantizers and fixed windows only) go through the engine's shared prefill,
+several in one forward.
 
 Rows do exactly what they do alone (each its own cache; on a CPU the linear layers are padded to row counts that
 give every row the same numbers whatever shares its forward: :mod:`kvviz.runtime.invariance`), so each prompt's
@@ -13,13 +15,14 @@ results equal :func:`compare` on that prompt alone, prefilled fresh (``reuse_pre
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 
 import torch
 
-from kvviz.engine.results import MethodResult
-from kvviz.engine.session import (
+from kvviz.comparison.results import MethodResult
+from kvviz.comparison.session import (
     BOTH,
     FORCED,
     PromptSession,
@@ -31,11 +34,11 @@ from kvviz.engine.session import (
 )
 from kvviz.methods import MethodStack
 from kvviz.planning.memory import model_card
+from kvviz.runtime.admission import RunSize
 from kvviz.runtime.batch import Row
+from kvviz.runtime.jobs import Decode, Job, SharedPrefill, Stage, Steps, Turn
 from kvviz.runtime.models import LoadedModel
-from kvviz.runtime.prefill import prefill_together
 from kvviz.runtime.progress import Progress, share
-from kvviz.runtime.together import PREFILL_TOKENS
 
 # Rows one forward feeds at most. On the 2-core CPU a step's linear layers cost about the same for 12 rows as for
 # 96 (they are bound by reading the weights) while each row's attention and cache updates are paid per row; on an
@@ -72,65 +75,71 @@ def waves(loaded: LoadedModel, lengths: Sequence[int], rows_per_prompt: int, max
     return out
 
 
-def _prefill(loaded: LoadedModel, sessions: list[PromptSession], stacks: list[MethodStack]) -> None:
-    """Prefill every session for ``stacks``: with nothing to record, prompts that fit share forwards."""
-    capture = capture_for(stacks)
-    if capture is not None:
-        for session in sessions:
-            session.prefill(capture)
-        return
-    prefix = loaded.prefix_cache if sessions and sessions[0].reuse_prefix else None
-    pending = sorted(sessions, key=lambda s: len(s.prompt_ids))
-    while pending:
-        taken = [pending.pop(0)]
-        while pending and len(pending[0].prompt_ids) * (len(taken) + 1) <= PREFILL_TOKENS:
-            taken.append(pending.pop(0))
-        runs = prefill_together(loaded.model, loaded.device, [s.prompt_ids for s in taken], prefix)
-        for session, run in zip(taken, runs, strict=True):
-            if isinstance(run, BaseException):
-                raise run
-            session.adopt(run)
-
-
 def decode_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], specs: list[str], max_new_tokens: int,
                    mode: str, progress: Progress | None = None, reuse_prefix: bool = False
                    ) -> list[list[MethodResult]]:
     """Every SPEC on every prompt (``full`` first, added if missing): per prompt, one result per configuration.
 
-    ``mode`` says how the rows after full decode (:data:`kvviz.engine.session.FREE`, ``FORCED`` or ``BOTH``).
+    ``mode`` says how the rows after full decode (:data:`kvviz.comparison.session.FREE`, ``FORCED`` or ``BOTH``).
     Prompts are prefilled fresh unless ``reuse_prefix``: a block the model's prefix cache kept from another run may
     have been computed under another attention path (explicit where a capture listened, SDPA elsewhere), which
     moves the last bits and, near a tie, a greedy token; a sweep's results must not depend on what ran before.
     SpecError or PromptError before any model work; a configuration that fails on a prompt is that result's
-    ``error``, and the others go on.
+    ``error``, and the others go on. One job on the model's engine (:func:`prompts_job`), whose result this waits for.
     """
+    return loaded.engine.run(prompts_job(loaded, prompts, specs, max_new_tokens, mode, reuse_prefix), progress)
+
+
+def prompts_job(loaded: LoadedModel, prompts: Sequence[Sequence[int]], specs: list[str], max_new_tokens: int,
+                mode: str, reuse_prefix: bool = False) -> Job[list[list[MethodResult]]]:
+    """:func:`decode_prompts` as a job: one step per wave, admitted wave by wave (each wave's size is its rows'
+    prompt positions), so other users' runs join the running batch or take turns between waves."""
     stacks = reference_first(specs)
-    sessions_of = [PromptSession(loaded, list(ids), reuse_prefix) for ids in prompts]  # PromptError first
+    sessions = [PromptSession(loaded, list(ids), reuse_prefix) for ids in prompts]  # PromptError first
     rows_per_prompt = len(stacks) * (2 if mode == BOTH else 1)  # BOTH: a teacher-forced twin per row at most
     planned = waves(loaded, [len(ids) for ids in prompts], rows_per_prompt, max_new_tokens)
+    first = _wave_size(loaded, sessions, planned[0], stacks) if planned else RunSize(device=loaded.device)
+    return Job(functools.partial(_waves_steps, loaded, sessions, stacks, planned, max_new_tokens, mode), first,
+               "prompts")
+
+
+def _wave_size(loaded: LoadedModel, sessions: list[PromptSession], wave: range, stacks: list[MethodStack]) -> RunSize:
+    """What a wave puts on the model: every configuration of every prompt in it attends over that prompt."""
+    return RunSize(sum(len(sessions[index].prompt_ids) for index in wave) * len(stacks), loaded.device)
+
+
+def _waves_steps(loaded: LoadedModel, sessions_of: list[PromptSession], stacks: list[MethodStack],
+                 planned: list[range], max_new_tokens: int, mode: str,
+                 progress: Progress) -> Steps[list[list[MethodResult]]]:
+    """Each wave: its prompts prefilled (together when nothing records them), every configuration forked, all
+    rows decoded in the running batch, then scored; the model given back before the next wave."""
+    capture = capture_for(stacks)
     results: list[list[MethodResult]] = []
     for number, wave in enumerate(planned):
+        if number:
+            yield Turn(_wave_size(loaded, sessions_of, wave, stacks))
         report = share(progress, number / len(planned), (number + 1) / len(planned),
-                       f"prompts {wave.start + 1}-{wave.stop} of {len(prompts)}: ")
+                       f"prompts {wave.start + 1}-{wave.stop} of {len(sessions_of)}: ")
         sessions = [sessions_of[index] for index in wave]
-        def prefill_and_fork(sessions=sessions, report=report) -> list[list[Row]]:
-            if report is not None:
-                report(0.0, "prefilling")
-            _prefill(loaded, sessions, stacks)
-            return [fork_rows(session, stacks) for session in sessions]
-
-        rows = loaded.engine.call(prefill_and_fork)  # on the engine; then the running batch steps the rows
+        report(0.0, "prefilling")
+        if capture is None:
+            shared = yield SharedPrefill([session.prompt_ids for session in sessions], sessions[0].reuse_prefix)
+            for session, run in zip(sessions, shared, strict=True):
+                session.adopt(run)
+        else:
+            for session in sessions:
+                yield Stage.PREFILL
+                session.prefill(capture)
+        yield Stage.FORK
+        rows = [fork_rows(session, stacks) for session in sessions]
         groups = [decode_group(session, prompt_rows, max_new_tokens, mode, progress=report if index == 0 else None)
                   for index, (session, prompt_rows) in enumerate(zip(sessions, rows, strict=True))]
-        loaded.engine.decode(*groups)
-        for group in groups:
-            if group.error is not None:  # cancelled, or the forward ran out of memory
-                raise group.error
-        results += loaded.engine.call(lambda sessions=sessions, rows=rows: [
-            group_results(session, prompt_rows, mode) for session, prompt_rows in zip(sessions, rows, strict=True)])
+        yield Decode(groups)
+        yield Stage.SCORE
+        results += [group_results(session, prompt_rows, mode) for session, prompt_rows in zip(sessions, rows,
+                                                                                               strict=True)]
         _release(rows)
-    if progress is not None:
-        progress(1.0, "done")
+    progress(1.0, "done")
     return results
 
 

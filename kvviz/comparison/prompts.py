@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from kvviz.engine.session import PromptError, encode_prompt
+from kvviz.comparison.session import PromptError, encode_prompt
 
 TEXT_SUFFIXES = (".txt", ".md")
 PROMPT_SET_SUFFIX = ".jsonl"

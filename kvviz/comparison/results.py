@@ -9,7 +9,7 @@ from kvviz.cache.architecture import AxisFactors
 from kvviz.cache.layouts import DEFAULT_BLOCK_SIZE, LayoutBytes, cache_layouts, layouts_by_layer_type
 from kvviz.cache.ledger import EvictionLedger
 from kvviz.cache.storage import StorageBytes
-from kvviz.engine.diagnostics import QuantizationReport
+from kvviz.comparison.diagnostics import QuantizationReport
 
 if TYPE_CHECKING:
     from kvviz.methods.kvpress.report import NativeReport
@@ -28,7 +28,7 @@ class MethodResult:
     kv_bytes_per_step: list[int] = field(default_factory=list)
     kv_bytes_per_layer: list[int] = field(default_factory=list)
     seconds: float = 0.0
-    agreement_with_full: float | None = None  # teacher-forced top-1 agreement (kvviz.engine.metrics)
+    agreement_with_full: float | None = None  # teacher-forced top-1 agreement (kvviz.comparison.metrics)
     first_divergence: int | None = None  # first step whose top-1 differs from full's, teacher-forced
     kl_per_step: list[float] = field(default_factory=list)  # KL(full || method) in nats, teacher-forced
     mean_kl: float | None = None
