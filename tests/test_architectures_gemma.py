@@ -72,7 +72,8 @@ def test_architectures_gemma3_needle_default_grid_runs_full_streaming_llm_and_sn
     """The Needle page's defaults (two lengths, three depths, chat off on a base model) on Gemma: every cell of every
     method runs within its length, and full keeps every key and finds some."""
     specs = ("full", budget_spec("streaming_llm", 64), budget_spec("snapkv", 64))  # the page's own defaults
-    report = NeedleRequest(specs, (128, 256), (0.1, 0.5, 0.9), 1, "query_aware", False, 12).compute(gemma_model)
+    request = NeedleRequest(specs, (128, 256), (0.1, 0.5, 0.9), 1, "query_aware", False, 12)
+    report = gemma_model.engine.submit(request.job(gemma_model), "test").result(600)
     assert sorted((c.method, c.length, c.depth) for c in report.cells) == sorted(
         (s, n, d) for s in specs for n in (128, 256) for d in (0.1, 0.5, 0.9))
     assert all(c.prompt_tokens <= c.length for c in report.cells)
