@@ -44,7 +44,7 @@ browser:
 
 test: model browser
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 bench: model
 	$(PY) -m kvviz bench

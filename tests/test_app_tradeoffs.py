@@ -70,3 +70,18 @@ def test_fixed_configurations_alone_are_refused_before_running():
     app.run()
     assert "nothing to sweep: fp8 has no free parameter" in app.error[0].value
     assert next(b for b in app.button if b.label == "Run the sweep").disabled
+
+
+def test_hostile_settings_in_a_link_are_named_and_replaced_before_anything_runs():
+    """A margin of 0 or 100, no items and a cap of no seconds, given in a link: each is named in a warning with the
+    value used instead, and the page still offers its run."""
+    for params, said in [({"margin": "0"}, "below 0.5"), ({"margin": "100"}, "over 50.0"),
+                         ({"items": "0", "design": "fixed"}, "below 1"), ({"cap": "0"}, "below 1"),
+                         ({"time": "0"}, "below 1")]:
+        app = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "views" / "8_Trade_offs.py"),
+                                default_timeout=300)
+        app.query_params.update(params)
+        app.run()
+        assert not app.exception and not app.error, params
+        assert any(said in w.value for w in app.warning), (params, [w.value for w in app.warning])
+        assert any(b.label == "Run the sweep" for b in app.button)

@@ -273,13 +273,15 @@ def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server,
     page.get_by_text("Items each point used").first.wait_for(timeout=600_000)
     settle(page)
     no_exception(page)
+    page.locator(dom.PLOT).nth(1).wait_for(timeout=60_000)  # plotly draws after the script ends
+    assert page.locator(dom.PLOT).count() == 5, "the trade-off chart, the items each point used, each family's grid"
     body = page.inner_text("body")
     assert "What this run can decide" in body, "the plan, on screen before the run"
     assert "The full cache is right on" in body and "multikey items" in body, "full's real accuracy"
     assert "betting confidence sequence" in body and "closed procedure" in body and "Holm" in body, "the rules"
-    assert "indistinguishable" not in body and "beyond margin" in body
-    page.locator(dom.PLOT).first.wait_for(timeout=60_000)  # plotly draws after the script ends
-    assert page.locator(dom.PLOT).count() == 5, "the trade-off chart, the items each point used, each family's grid"
+    assert "indistinguishable" not in body, "the verdict words of earlier rounds"
+    items_chart = page.locator(dom.PLOT).nth(1).inner_text()
+    assert "proven beyond the margin" in items_chart, "the items chart: why points stopped"
     chart = page.locator(dom.PLOT).first.inner_text()
     assert "frontier" in chart and "full's 95% interval" in chart
     shoot(page, "tradeoffs", element=dom.PLOT)

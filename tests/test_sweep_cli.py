@@ -163,3 +163,26 @@ def test_an_adaptive_sweep_stops_decided_points_and_continues_from_the_store(rea
     assert first["points"][1]["stopped"] == "cap" and first["rounds"]["ended"] == "cap"
     assert (second["rounds"]["rounds"], second["rounds"]["reused"], second["rounds"]["items"]) == (2, 1, 32)
     assert second["points"][0]["outcomes"][:16] == first["points"][0]["outcomes"], "the same items, the same answers"
+
+
+def test_a_one_second_budget_and_a_two_line_prompt_set_end_with_a_verdict_not_an_exception(tiny_model, monkeypatch,
+                                                                                            tmp_path, capsys):
+    """The issue's hostile settings that do run: a time budget of one second ends an adaptive run after its first
+    round, and a prompt set of two lines is used up, every point inconclusive with the items it would take."""
+    monkeypatch.setattr(options, "load", lambda args: tiny_model)
+    two = tmp_path / "two.jsonl"
+    two.write_text('{"prompt": "Name a planet."}\n{"prompt": "Name a colour."}\n')
+    out = tmp_path / "two.json"
+    assert main(["sweep", "--prompts", str(two), "--method", "streaming_llm", "--budgets", "0.5", "--adaptive",
+                 "--time-budget", "1", "--max-new-tokens", "3", "--json", str(out), "--quiet"]) == 0
+    data = json.loads(out.read_text())
+    assert data["rounds"]["ended"] == "used up" and data["rounds"]["items"] == 2
+    paired = data["points"][1]["paired"]
+    assert paired["verdict"] == "inconclusive" and paired["units"] == 2 and paired["units_needed"] > 2
+    printed = capsys.readouterr().out
+    assert "2 items cannot prove the margin, however alike (at least 72 can)" in printed, printed
+    timed = tmp_path / "timed.json"
+    assert main(["sweep", "--task", "multikey", "--task-length", "160", "--method", "streaming_llm", "--budgets",
+                 "0.5", "--adaptive", "--time-budget", "1", "--max-items", "256", "--json", str(timed), "--quiet"]) == 0
+    rounds = json.loads(timed.read_text())["rounds"]
+    assert rounds["ended"] == "time" and 16 <= rounds["items"] < 256, rounds

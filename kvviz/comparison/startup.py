@@ -2,8 +2,10 @@
 server's own kvpress presses to the methods, which read no environment themselves.
 
 The app's entry (``app.py``, and the class warm-up that runs its pages) calls :func:`start_server` once per process;
-the command line calls :func:`apply_settings`. That is all the process-wide state kvviz sets: loaders load and getters
-get. What a server used to set besides, and why it no longer does (docs/architecture.md, "One engine"):
+the command line calls :func:`apply_settings`. That is all the process-wide state kvviz sets at start-up: loaders load
+and getters get (the one other is Ray's loopback switch, an environment variable
+:func:`kvviz.runtime.cluster.connect` sets before it starts a local Ray instance). What a server used to set besides,
+and why it no longer does (docs/architecture.md, "One engine"):
 
 - glibc's arena cap (``MALLOC_ARENA_MAX``) and tuned trim thresholds: each run computed on a new thread, which took
   a new arena; now every forward runs on the model's engine, one long-lived thread, whose arena serves run after run.

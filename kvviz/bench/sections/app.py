@@ -48,6 +48,8 @@ from kvviz.comparison.session import compare, encode_prompt
 from kvviz.runtime.models import LoadedModel
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from playwright.sync_api import Browser, BrowserContext
 
 VIEWPORT = {"width": 1400, "height": 1000}  # a laptop's browser window
@@ -242,13 +244,16 @@ def lesson_steps(base: str, page, timeout: float) -> int:
     return radios.count()
 
 
-def _time_lessons(section: Section, browser, base: str, timeout: float, log) -> None:
+def _time_lessons(section: Section, browser, base: str, timeout: float, log,
+                  resident_gb: Callable[[], float]) -> list[float]:
     """Every lesson step cold (its run computed) and warm (the stored result, from a new session), each a figure;
-    a step that fails or times out is a failing figure, and finding no steps at all is one too."""
+    a step that fails or times out is a failing figure, and finding no steps at all is one too. Returns the server's
+    resident gigabytes after each step (a step may load another model: the architecture step loads both)."""
     from playwright.sync_api import Error as PlaywrightError
 
     steps = lesson_steps(base, browser.new_page(), min(timeout, 300))
     section.add("lesson_steps", steps, target=">= 1", note="" if steps else "no step radio on the Lessons page")
+    resident = []
     for step in range(1, steps + 1):
         log(f"  lesson step {step}: cold, then warm")
         try:
@@ -257,8 +262,11 @@ def _time_lessons(section: Section, browser, base: str, timeout: float, log) -> 
         except (PlaywrightError, RuntimeError) as error:
             section.add(f"lesson_{step}_ran", False, target="== True", note=str(error).splitlines()[0][:200])
             continue
+        finally:
+            resident.append(resident_gb())
         section.add(f"lesson_{step}_cold", cold, "s", note="the step's run computed")
         section.add(f"lesson_{step}_warm", warm, "s", "<= 2", note="the stored result, from a new session")
+    return resident
 
 
 @bench_section("app", client=True)
@@ -349,11 +357,18 @@ def app(run: BenchRun) -> Section:
                 returns = [app_run(1, returning) for _ in range(sizes.app_walks)]
                 returning.close()
                 _add_cached(section, first_visits, returns)
-                if sizes.lessons:
-                    _time_lessons(section, browser, served.url, timeout, log)
-                section.add("server_resident_gb", resident_bytes(served.pid) / 1e9, "GB",
+                def resident_gb() -> float:
+                    return resident_bytes(served.pid) / 1e9
+
+                before_lessons = resident_gb()
+                after_steps = _time_lessons(section, browser, served.url, timeout, log, resident_gb) \
+                    if sizes.lessons else []
+                steps = ", ".join(f"{gb:.2f}" for gb in after_steps)
+                section.add("server_resident_gb", resident_gb(), "GB",
                             note=f"the server's resident memory after {1 + 2 * sizes.app_runs} comparisons, the "
-                                 "cached visits and the lessons (the model, torch, Streamlit and the heap they keep)")
+                                 "cached visits and the lessons (the models, torch, Streamlit and the heap they keep); "
+                                 f"{before_lessons:.2f} before the lessons"
+                                 + (f", after each step {steps}" if steps else ""))
             finally:
                 browser.close()
                 if idle_browser is not None:
