@@ -167,8 +167,8 @@ def test_an_adaptive_sweep_stops_decided_points_and_continues_from_the_store(rea
 
 def test_a_one_second_budget_and_a_two_line_prompt_set_end_with_a_verdict_not_an_exception(tiny_model, monkeypatch,
                                                                                             tmp_path, capsys):
-    """The issue's hostile settings that do run: a time budget of one second ends an adaptive run after its first
-    round, and a prompt set of two lines is used up, every point inconclusive with the items it would take."""
+    """Hostile settings that still run: a time budget of one second ends an adaptive run once a round has shown
+    what a round costs, and a prompt set of two lines is used up, every point inconclusive with the items it needs."""
     monkeypatch.setattr(options, "load", lambda args: tiny_model)
     two = tmp_path / "two.jsonl"
     two.write_text('{"prompt": "Name a planet."}\n{"prompt": "Name a colour."}\n')
