@@ -373,3 +373,22 @@ def test_the_engine_process_runs_a_comparison_whatever_the_callers_main_module(r
     finally:
         connection.close()
         process.wait(60)
+
+
+def test_the_adaptive_ratio_pairs_each_repeat_with_the_fixed_design_on_that_repeat_s_items():
+    """A slow repeat reaches fewer items, so its fixed baseline is shorter too: the ratio is taken within each
+    repeat (here 2x and 3x), never from medians of seconds over repeats that ran different items."""
+    from types import SimpleNamespace
+
+    from kvviz.bench.sections.adaptive_sweep import Repeat
+
+    def report(decided: int, items: int) -> SimpleNamespace:
+        points = [SimpleNamespace(paired=None)] + [SimpleNamespace(paired=SimpleNamespace(verdict="beyond margin"))
+                                                  for _ in range(decided)]
+        return SimpleNamespace(points=points, rounds=SimpleNamespace(items=items))
+
+    slow = Repeat({"adaptive": 150.0, "fixed_same_items": 300.0}, {"adaptive": report(10, 160),
+                                                                   "fixed_same_items": report(10, 160)})
+    fast = Repeat({"adaptive": 150.0, "fixed_same_items": 450.0}, {"adaptive": report(10, 240),
+                                                                   "fixed_same_items": report(10, 240)})
+    assert slow.ratio() == pytest.approx(2.0) and fast.ratio() == pytest.approx(3.0)

@@ -70,6 +70,7 @@ class Sizes:
     adaptive_seconds: float = 150.0
     adaptive_task_length: int = 256
     adaptive_fixed_items: int = 32  # the fixed design of earlier rounds, run beside it
+    adaptive_repeats: int = 3  # the time budget makes each repeat's items differ: a median of three paired ratios
 
 
 SIZES: dict[str, Sizes] = {
@@ -82,7 +83,7 @@ SIZES: dict[str, Sizes] = {
                    prefix_question=8, repeats=1,
                    sweep_items=2, sweep_task_length=160, sweep_sample_items=1, sweep_play_tokens=24,
                    sweep_ray_items=2, sweep_ray_task_length=160, adaptive_max_items=16, adaptive_seconds=60.0,
-                   adaptive_task_length=160, adaptive_fixed_items=4),
+                   adaptive_task_length=160, adaptive_fixed_items=4, adaptive_repeats=1),
     "gpu": Sizes(compare_prompt=4096, compare_tokens=32, generate_prompt=4096, generate_tokens=128,
                  capture_lengths=(4096, 8192, 16384, 32768), decode_prompt=32768, decode_budget=1024,
                  decode_steps=32, bookkeeping_context=8192, peer_prompt=16384, ppl_tokens=2048, repeats=3),

@@ -5,8 +5,12 @@ The adaptive run is the page's default (its families and budgets on multikey ite
 tokens, rounds of 16 items up to ``adaptive_max_items``, no new round past ``adaptive_seconds``). Its baseline is the
 fixed design that gathers the same evidence: one look at every item the adaptive run gave full, every point on every
 one of them (the same seed, so the same items). The fixed ``adaptive_fixed_items``-item design of earlier rounds runs
-beside them, so the report says how many points it decides too. The three run in turns, ``repeats`` times, each on a
-fresh measurement (no stored rounds).
+beside them, so the report says how many points it decides too. The three run in turns, ``adaptive_repeats`` times,
+each on a fresh measurement (no stored rounds).
+
+The ratio is paired by repeat: the time budget ends the adaptive run, so how many items it reaches depends on how fast
+the machine ran during it, and each repeat's fixed baseline runs on that repeat's items. Each repeat gives one ratio
+of decided points per minute; the figure is their median, and the note lists every repeat's ratio and items.
 
 At the page's own settings the same run is then timed as its user sees it: the Trade-offs page served by a plain
 ``streamlit run app.py`` on an empty result store, its defaults untouched, in headless chromium from the click on
@@ -15,12 +19,15 @@ At the page's own settings the same run is then timed as its user sees it: the T
 
 from __future__ import annotations
 
+import os
 import pickle
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 from kvviz.bench.browser import CHROMIUM_ARGS, chromium_path, last_change, served_app, settle, text_shown, watch_changes
-from kvviz.bench.harness import BenchRun, Section, bench_section, interleaved
+from kvviz.bench.harness import BenchRun, Section, Spread, bench_section, timed
 from kvviz.methods import REGISTRY
 from kvviz.runtime.models import LoadedModel
 from kvviz.studies.sweep import DEFAULT_BUDGETS, SweepReport, run_sweep
@@ -43,6 +50,47 @@ def cells(report: SweepReport) -> int:
     return sum(p.items_used or 0 for p in report.points)
 
 
+DESIGNS = ("adaptive", "fixed_same_items", "fixed_items")
+
+
+@dataclass
+class Repeat:
+    """One repeat of the three designs, run in turns: each design's seconds and report."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    reports: dict[str, SweepReport] = field(default_factory=dict)
+
+    def per_minute(self, design: str) -> float:
+        return decided(self.reports[design]) / (self.seconds[design] / 60)
+
+    def per_second(self, design: str) -> tuple[float, float]:
+        """Items, and (item, configuration) pairs, scored per second."""
+        report, seconds = self.reports[design], self.seconds[design]
+        return report.rounds.items / seconds, cells(report) / seconds
+
+    def ratio(self) -> float:
+        """Decided points per minute, adaptive against the fixed design on this repeat's items."""
+        return self.per_minute("adaptive") / self.per_minute("fixed_same_items")
+
+
+def _repeat(loaded: LoadedModel, stream: TaskWorkload, families: list[str], adaptive: Adaptive, fixed_items: int,
+            log) -> Repeat:
+    """The adaptive run, the fixed design on the items it reached, and the fixed ``fixed_items``-item design."""
+    repeat = Repeat()
+
+    def sweep(name: str, workload: TaskWorkload, design: Adaptive | None) -> None:
+        seconds, repeat.reports[name] = timed(loaded.device, lambda: run_sweep(
+            loaded, workload, families, list(DEFAULT_BUDGETS), adaptive=design))
+        repeat.seconds[name] = seconds
+        log(f"    {name}: {seconds:.2f} s, {repeat.reports[name].rounds.items} items, "
+            f"{decided(repeat.reports[name])} decided (load {os.getloadavg()[0]:.2f})")
+
+    sweep("adaptive", stream, adaptive)
+    sweep("fixed_same_items", TaskWorkload(TASK, stream.length, repeat.reports["adaptive"].rounds.items), None)
+    sweep("fixed_items", TaskWorkload(TASK, stream.length, fixed_items), None)
+    return repeat
+
+
 @bench_section("adaptive_sweep")
 def adaptive_sweep(run: BenchRun) -> Section:
     section = Section("adaptive_sweep", "The Trade-offs default run: adaptive rounds against the fixed design that "
@@ -57,37 +105,27 @@ def adaptive_sweep(run: BenchRun) -> Section:
     run.log(f"  {len(families)} families on {TASK} items of {stream.length} tokens: adaptive (up to "
             f"{adaptive.max_items} items, {adaptive.seconds:g} s), the fixed design on its items, and "
             f"{sizes.adaptive_fixed_items} fixed items")
-    reports: dict[str, SweepReport] = {}
-
-    def adaptive_run() -> SweepReport:
-        reports["adaptive"] = run_sweep(loaded, stream, families, list(DEFAULT_BUDGETS), adaptive=adaptive)
-        return reports["adaptive"]
-
-    def same_items() -> SweepReport:
-        used = reports["adaptive"].rounds.items
-        return run_sweep(loaded, TaskWorkload(TASK, stream.length, used), families, list(DEFAULT_BUDGETS))
-
-    def fixed_items() -> SweepReport:
-        return run_sweep(loaded, TaskWorkload(TASK, stream.length, sizes.adaptive_fixed_items), families,
-                         list(DEFAULT_BUDGETS))
-
-    timed = interleaved(loaded.device, {"adaptive": adaptive_run, "fixed_same_items": same_items,
-                                        "fixed_items": fixed_items}, sizes.repeats, run.log)
-    rates = {}
-    for name, (spread, report) in timed.items():
-        points = len(report.points) - 1
-        rates[name] = decided(report) / (spread.median / 60)
+    repeats: list[Repeat] = []
+    for _ in range(max(1, sizes.adaptive_repeats)):
+        repeats.append(_repeat(loaded, stream, families, adaptive, sizes.adaptive_fixed_items, run.log))
+    last = repeats[-1]
+    for name in DESIGNS:
+        spread = Spread([repeat.seconds[name] for repeat in repeats])
+        report = last.reports[name]
         section.add(f"{name}_seconds", spread.median, "s", note=spread.note())
-        section.add(f"{name}_decided_points", decided(report), note=f"of {points}; {report.workload}")
-        section.add(f"{name}_decided_points_per_minute", rates[name], "/min")
-        section.add(f"{name}_items_per_second", report.rounds.items / spread.median, "items/s",
-                    note=f"{cells(report) / spread.median:.2f} (item, configuration) pairs per second")
-    adaptive_report = timed["adaptive"][1]
+        section.add(f"{name}_decided_points", decided(report), note=f"of {len(report.points) - 1}; {report.workload}")
+        section.add(f"{name}_decided_points_per_minute", median([r.per_minute(name) for r in repeats]), "/min")
+        section.add(f"{name}_items_per_second", median([r.per_second(name)[0] for r in repeats]), "items/s",
+                    note=f"{median([r.per_second(name)[1] for r in repeats]):.2f} (item, configuration) pairs per "
+                         "second (medians over the repeats)")
+    adaptive_report = last.reports["adaptive"]
     within = [p.spec for p in adaptive_report.points[1:] if p.paired and p.paired.verdict == "within margin"]
     section.add("adaptive_within_points", len(within), note=", ".join(within) or "none proven within the margin")
     section.add("adaptive_ended", adaptive_report.rounds.describe())
-    section.add("decided_points_per_minute", rates["adaptive"] / rates["fixed_same_items"], "x", ">= 2",
-                note="adaptive against the fixed design on the same items (decided points per minute)")
+    each = "; ".join(f"{r.ratio():.2f}x on {r.reports['adaptive'].rounds.items} items" for r in repeats)
+    section.add("decided_points_per_minute", median([r.ratio() for r in repeats]), "x", ">= 2",
+                note="adaptive against the fixed design on the same items (decided points per minute), the median "
+                     f"of each repeat's ratio: {each}")
     page_settings = (sizes.adaptive_max_items, sizes.adaptive_seconds, sizes.adaptive_task_length)
     if page_settings != (DEFAULT_MAX_ITEMS, DEFAULT_SECONDS, PAGE_TASK_LENGTH):
         run.log("  the page's default run is timed at the default sizes only")
