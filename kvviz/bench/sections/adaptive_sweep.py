@@ -115,9 +115,9 @@ def adaptive_sweep(run: BenchRun) -> Section:
         section.add(f"{name}_seconds", spread.median, "s", note=spread.note())
         section.add(f"{name}_decided_points", decided(report), note=f"of {len(report.points) - 1}; {report.workload}")
         section.add(f"{name}_decided_points_per_minute", median([r.per_minute(name) for r in repeats]), "/min")
-        section.add(f"{name}_items_per_second", median([r.per_second(name)[0] for r in repeats]), "items/s",
-                    note=f"{median([r.per_second(name)[1] for r in repeats]):.2f} (item, configuration) pairs per "
-                         "second (medians over the repeats)")
+        items, pairs = zip(*(r.per_second(name) for r in repeats), strict=True)
+        section.add(f"{name}_items_per_second", median(items), "items/s",
+                    note=f"{median(pairs):.2f} (item, configuration) pairs per second (medians over the repeats)")
     adaptive_report = last.reports["adaptive"]
     within = [p.spec for p in adaptive_report.points[1:] if p.paired and p.paired.verdict == "within margin"]
     section.add("adaptive_within_points", len(within), note=", ".join(within) or "none proven within the margin")

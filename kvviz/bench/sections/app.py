@@ -357,12 +357,13 @@ def app(run: BenchRun) -> Section:
                 returns = [app_run(1, returning) for _ in range(sizes.app_walks)]
                 returning.close()
                 _add_cached(section, first_visits, returns)
+
                 def resident_gb() -> float:
                     return resident_bytes(served.pid) / 1e9
 
                 before_lessons = resident_gb()
-                after_steps = _time_lessons(section, browser, served.url, timeout, log, resident_gb) \
-                    if sizes.lessons else []
+                after_steps = (_time_lessons(section, browser, served.url, timeout, log, resident_gb)
+                               if sizes.lessons else [])
                 steps = ", ".join(f"{gb:.2f}" for gb in after_steps)
                 section.add("server_resident_gb", resident_gb(), "GB",
                             note=f"the server's resident memory after {1 + 2 * sizes.app_runs} comparisons, the "
