@@ -35,6 +35,7 @@ from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.prefill import PrefixPrefill, prefill_with_prefix, reusable_tokens
 from kvviz.runtime.progress import Progress, share
 from kvviz.runtime.replay import DecodeTrace, Sampling, decode, eos_token_ids
+from kvviz.runtime.threads import small_work
 
 FORKING = 0.05  # the share of a batched comparison's progress bar its forks take (its decode takes the rest)
 
@@ -152,8 +153,9 @@ class PromptSession:
             book = EvictionLedger.empty(self.num_layers, heads, len(self.prompt_ids), len(self.prompt_ids) + 64,
                                         self.card.layer_types.windows)
         protected = protected_positions(protect) if protect else None
-        return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys, protected,
-                            self.card.layer_types)
+        with small_work(self.loaded.device):  # thousands of small kernels (a quantizer's groups, a selection)
+            return KVCache.fork(prefill.cache, stack, prefill.stats, book, self.rotate_keys, protected,
+                                self.card.layer_types)
 
     def prefill_for(self, stack: MethodStack) -> Prefill:
         """The prefill ``stack`` forks from: the shared one, or its own for a method that must run the prompt itself

@@ -49,6 +49,7 @@ from kvviz.runtime.jobs import Decode, Elsewhere, FinishedRun, Handle, Job, Shar
 from kvviz.runtime.prefill import PrefixPrefill, prefill_together
 from kvviz.runtime.prefix import PrefixCache
 from kvviz.runtime.progress import Progress
+from kvviz.runtime.threads import small_work
 from kvviz.runtime.together import prefill_share
 from kvviz.runtime.waiting import WaitingLine
 
@@ -324,7 +325,8 @@ class Engine:
         every group in it."""
         started = time.perf_counter()
         try:
-            step_groups(self.model, groups, self.device)
+            with small_work(self.device):  # a step of a few rows is thousands of small kernels
+                step_groups(self.model, groups, self.device)
         except Exception as error:  # noqa: BLE001 - the forward itself failed (out of memory): its runs fail
             for group in groups:
                 group.error = group.error or error

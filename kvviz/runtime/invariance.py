@@ -26,6 +26,8 @@ import contextvars
 
 import torch
 
+from kvviz.runtime.threads import small_work, small_work_threads
+
 PROBE_ROWS = 24  # counts up to this are candidates to pad to; it must agree itself, as must CHECKED_ROWS
 CHECKED_ROWS = (32, 48)  # larger counts, which are never padded: where they disagree, padding cannot help
 REFERENCE_ROWS = 256  # the batch every count's rows are compared with: a large one (see the docstring)
@@ -85,11 +87,16 @@ def agreeing_row_counts(linears: list[torch.nn.Linear]) -> tuple[int, ...] | Non
 
 def install_row_invariance(model: torch.nn.Module, device: str) -> tuple[int, ...] | None:
     """On a CPU, make every plain ``nn.Linear`` of ``model`` a :class:`RowPaddedLinear` padding to the counts the
-    probe found; returns them (None: not installed, on an accelerator or where no padding makes rows agree)."""
+    probe found under both thread counts the engine computes with (a prefill's, a decode step's); returns them (None:
+    not installed, on an accelerator or where no padding makes rows agree)."""
     if not device.startswith("cpu"):
         return None
     linears = [module for module in model.modules() if type(module) is torch.nn.Linear]
     counts = agreeing_row_counts(linears) if linears else None
+    if counts is not None and small_work_threads(device) not in (None, torch.get_num_threads()):
+        with small_work(device):  # a decode step's thread count (kvviz.runtime.threads)
+            small = agreeing_row_counts(linears)
+        counts = None if small is None else tuple(n for n in counts if n in small)  # both hold PROBE_ROWS
     if counts is None:
         return None
     for linear in linears:
