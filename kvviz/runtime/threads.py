@@ -8,8 +8,8 @@ Measured on the 2-core CPU (2026-12-07, torch's GNU libgomp): a 46K-element add 
 50-80 us from the engine's, one decode-step attention (one query over 260 keys) 46 us and 119-189 us, and 9 us and
 62 us on one thread. A decode step and a quantizer's fork are thousands of such kernels and a few small matrix
 multiplies, so on a CPU of at most :data:`SMALL_CPU_THREADS` threads they run on one thread; a prefill (matrix
-multiplies of thousands of rows) keeps every thread. On a larger CPU one thread would cost a decode step's matrix
-multiplies more than it saves, unmeasured, so nothing changes there; accelerators are left alone.
+multiplies of thousands of rows) keeps every thread. On a larger CPU one thread may cost a decode step's matrix
+multiplies more than it saves; that is unmeasured, so nothing changes there. Accelerators are left alone.
 
 A matrix multiply's last bits may depend on its thread count, so the row-invariance probe
 (:mod:`kvviz.runtime.invariance`) checks its row counts under both settings.
