@@ -1,26 +1,15 @@
 """On a small CPU the engine's small kernels run on one thread (kvviz.runtime.threads): decode steps and forks, not
 prefills; the row-invariance probe checks its row counts under both thread counts."""
 
-import contextlib
-
 import pytest
 import torch
 
 import kvviz.runtime.engine as engine_module
 import kvviz.runtime.invariance as invariance
+from kvviz.bench.harness import threads as torch_threads
 from kvviz.cache.kvcache import KVCache
 from kvviz.comparison.session import compare
 from kvviz.runtime.threads import SMALL_CPU_THREADS, small_work, small_work_threads
-
-
-@contextlib.contextmanager
-def torch_threads(count: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_small_work_runs_on_one_thread_on_a_small_cpu_and_gives_the_count_back():
