@@ -1,15 +1,21 @@
-"""On a small CPU the engine's small kernels run on one thread (kvviz.runtime.threads): decode steps and forks, not
-prefills; the row-invariance probe checks its row counts under both thread counts."""
+"""The engine's OpenMP pool kept the only one (kvviz.runtime.threads): a model loads on a thread that exits and takes
+its pool with it; on a small CPU the engine's small kernels run on one thread (decode steps and forks, not
+prefills); the row-invariance probe checks its row counts under both thread counts."""
+
+import os
+import threading
+import time
 
 import pytest
 import torch
 
 import kvviz.runtime.engine as engine_module
 import kvviz.runtime.invariance as invariance
+import kvviz.runtime.models as models
 from kvviz.bench.harness import threads as torch_threads
 from kvviz.cache.kvcache import KVCache
 from kvviz.comparison.session import compare
-from kvviz.runtime.threads import SMALL_CPU_THREADS, small_work, small_work_threads
+from kvviz.runtime.threads import SMALL_CPU_THREADS, on_passing_thread, small_work, small_work_threads
 
 
 def test_small_work_runs_on_one_thread_on_a_small_cpu_and_gives_the_count_back():
@@ -64,3 +70,40 @@ def test_the_invariance_probe_keeps_the_row_counts_that_agree_under_both_thread_
         assert invariance.install_row_invariance(model, "cpu") == (16, 24)
     assert probed == [SMALL_CPU_THREADS, 1]
     assert type(model[0]) is invariance.RowPaddedLinear and model[0].row_counts == (16, 24)
+
+
+def _threads_alive() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_passing_thread_work_hands_back_its_result_and_its_error_and_leaves_no_thread():
+    ran_on: list[threading.Thread] = []
+
+    def work() -> int:
+        ran_on.append(threading.current_thread())
+        return 41 + 1
+
+    assert on_passing_thread(work) == 42
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+    with pytest.raises(KeyError, match="no such model"):
+        on_passing_thread(lambda: {}["no such model"])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_the_openmp_pool_of_parallel_work_on_a_passing_thread_goes_with_it():
+    """What the load relies on: a pool lives as long as the thread that started it."""
+    with torch_threads(2):
+        before = _threads_alive()
+        during = on_passing_thread(lambda: (torch.ones(1_000_000).add_(1), _threads_alive())[1])
+        deadline = time.monotonic() + 5
+        while _threads_alive() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert during > before + 1  # the passing thread and its pool's helper
+        assert _threads_alive() == before
+
+
+def test_load_model_computes_on_a_passing_thread(monkeypatch):
+    seen: list[threading.Thread] = []
+    monkeypatch.setattr(models, "_load", lambda *args: seen.append(threading.current_thread()) or "loaded")
+    assert models.load_model("any", "cpu") == "loaded"
+    assert seen[0] is not threading.current_thread() and not seen[0].is_alive()

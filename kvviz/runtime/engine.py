@@ -29,7 +29,8 @@ thread an arena of its own and keeps what a run freed there, finds the next run'
 model in memory, and would carry every result, progress report and cancellation over a pipe; the engine's work holds
 the interpreter lock only between kernels, so a thread leaves the server's other threads free. The thread exits
 after :data:`IDLE_SECONDS` without work (a model dropped from a server's cache is then freed) and starts again on
-demand. The thread that loaded the model keeps its pool all the same, so on a small CPU a decode step's and a fork's
+demand. A model loads on a thread that exits when it is ready, taking the load's pool with it; another thread can
+still start parallel work beside the engine (a page's script thread), so on a small CPU a decode step's and a fork's
 small kernels run on one thread (:mod:`kvviz.runtime.threads`).
 """
 

@@ -26,6 +26,7 @@ from kvviz.runtime.faults import ModelError
 from kvviz.runtime.invariance import install_row_invariance
 from kvviz.runtime.prefix import PrefixCache
 from kvviz.runtime.settings import DEFAULT_MODEL, DEVICE, HUB_ENDPOINT, HUB_OFFLINE, cache_folder
+from kvviz.runtime.threads import on_passing_thread
 
 WEIGHT_MODES = ("auto", "int8", "nf4")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -214,8 +215,13 @@ def load_model(
     """Load a causal LM and its tokenizer, with kvviz's attention function installed.
 
     ``weights`` selects bitsandbytes 8-bit or 4-bit (nf4) weights. ``trust_remote_code`` stays off unless the
-    caller turns it on deliberately.
+    caller turns it on deliberately. The load computes on a thread that exits when it is done, so that the caller's
+    thread keeps no OpenMP pool beside the engine's (:mod:`kvviz.runtime.threads`).
     """
+    return on_passing_thread(lambda: _load(name, device, dtype, weights, trust_remote_code))
+
+
+def _load(name: str, device: str | None, dtype: str | None, weights: str, trust_remote_code: bool) -> LoadedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
