@@ -1,6 +1,7 @@
 """The engine's OpenMP pool kept the only one (kvviz.runtime.threads): a model loads on a thread that exits and takes
 its pool with it; on a small CPU the engine's small kernels run on one thread (decode steps and forks, not
-prefills); the row-invariance probe checks its row counts under both thread counts."""
+prefills); the row-invariance probe checks its row counts under both thread counts; a sweep's rounds are scored on
+a thread that exits."""
 
 import os
 import threading
@@ -16,6 +17,8 @@ from kvviz.bench.harness import threads as torch_threads
 from kvviz.cache.kvcache import KVCache
 from kvviz.comparison.session import compare
 from kvviz.runtime.threads import SMALL_CPU_THREADS, on_passing_thread, small_work, small_work_threads
+from kvviz.studies.sweep_measure import measure_rows
+from kvviz.studies.workloads import TaskWorkload
 
 
 def test_small_work_runs_on_one_thread_on_a_small_cpu_and_gives_the_count_back():
@@ -107,3 +110,32 @@ def test_load_model_computes_on_a_passing_thread(monkeypatch):
     monkeypatch.setattr(models, "_load", lambda *args: seen.append(threading.current_thread()) or "loaded")
     assert models.load_model("any", "cpu") == "loaded"
     assert seen[0] is not threading.current_thread() and not seen[0].is_alive()
+
+
+def _threads_settled() -> int:
+    """The thread count once it has held still for a while: threads that just finished are gone (5 s at most)."""
+    count, since, deadline = _threads_alive(), time.monotonic(), time.monotonic() + 5
+    while time.monotonic() - since < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+        if _threads_alive() != count:
+            count, since = _threads_alive(), time.monotonic()
+    return count
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through Linux's /proc")
+def test_a_sweep_round_is_scored_on_a_passing_thread_and_leaves_its_caller_no_openmp_pool(real_model):
+    """A sweep's caller lives on through every round; a pool of its own would slow the next round's prefill."""
+    workload, specs = TaskWorkload("multikey", 256, 1), ["full", "streaming_llm:window=28"]
+    counts: list[int] = []
+
+    def caller() -> None:
+        counts.append(_threads_settled())
+        measure_rows(real_model, workload, specs, [0])
+        counts.append(_threads_settled())
+
+    with torch_threads(2):
+        measure_rows(real_model, workload, specs, [0])  # the engine and its pool are up
+        thread = threading.Thread(target=caller)
+        thread.start()
+        thread.join()
+    assert counts[1] == counts[0], "the caller started no pool of its own"

@@ -11,6 +11,11 @@ joined from shards fill the same points as records measured in one go. Each kind
 
 Every item is scored under every configuration, full included: a configuration is judged against full on the same
 items (:mod:`kvviz.studies.paired`), so full's misses count (they are where a configuration can gain).
+
+Scoring a round (each run's ledger read for its planted spans and serving layouts) is torch work large enough to run
+in parallel, and the thread that asks for the rounds (the CLI's main thread, a page's script thread) lives on through
+all of them: its OpenMP pool would stay beside the engine's and slow every later round's prefill
+(:mod:`kvviz.runtime.threads`). So a round is scored on a thread that exits when the round's rows are ready.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ from kvviz.comparison.session import BOTH, FORCED, FREE
 from kvviz.methods import SpecError, parse_spec
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
+from kvviz.runtime.threads import on_passing_thread
 from kvviz.studies.intervals import bootstrap_mean, percentile, wilson
 from kvviz.studies.perplexity import play_text, streaming_perplexities
 from kvviz.studies.tail_attribution import failure_cause, span_fates
-from kvviz.studies.tail_items import NEW_TOKENS, stream_items
-from kvviz.studies.workloads import PromptWorkload, TaskWorkload, TextWorkload, Workload, answer_found
+from kvviz.studies.tail_items import NEW_TOKENS, TailItem, stream_items
+from kvviz.studies.workloads import PromptCase, PromptWorkload, TaskWorkload, TextWorkload, Workload, answer_found
 
 
 @dataclass
@@ -249,6 +255,12 @@ class TaskMeasuring:
         items = stream_items(loaded.tokenizer, workload.task, workload.length, indices, workload.seed)
         per_item = decode_prompts(loaded, [item.ids for item in items], specs, NEW_TOKENS[workload.task], FREE,
                                   progress)
+        return on_passing_thread(lambda: self._scored(loaded, items, per_item, specs, block_size))
+
+    @staticmethod
+    def _scored(loaded: LoadedModel, items: list[TailItem], per_item: list[list[MethodResult]], specs: list[str],
+                block_size: int) -> Rows:
+        """Each item's cells: its answer checked, the fates of its planted spans, its layouts."""
         quantized = [parse_spec(spec).quantization is not None for spec in specs]
         rows = Rows()
         for item, results in zip(items, per_item, strict=True):
@@ -295,6 +307,12 @@ class PromptMeasuring:
         prompts = [workload.prompts[i] for i in indices]
         per_prompt = decode_prompts(loaded, [p.ids for p in prompts], specs, workload.max_new_tokens,
                                     BOTH if answered else FORCED, progress)
+        return on_passing_thread(lambda: self._scored(prompts, per_prompt, answered, block_size))
+
+    @staticmethod
+    def _scored(prompts: list[PromptCase], per_prompt: list[list[MethodResult]], answered: bool,
+                block_size: int) -> Rows:
+        """Each prompt's cells: its answer found (or not), agreement and KL with full, its layouts."""
         rows = Rows()
         for prompt, results in zip(prompts, per_prompt, strict=True):
             cells = [cell_of(result, Outcome(
