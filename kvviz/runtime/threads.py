@@ -7,7 +7,8 @@ helpers, kept until that thread exits. The engine computes on a thread of its ow
 the live pools hold more threads than the machine has cores, helpers stop spinning between regions and every region
 waits for its helper to wake. Loading a model is parallel work (the weights, the row-invariance probe), and the
 thread that asks for it (the CLI's main thread, a page's script thread) lives on, so :func:`on_passing_thread` loads
-on a thread that exits when the model is ready, taking its pool with it. Measured on the 2-core CPU (2026-12-07): a
+on a thread that exits when the model is ready, taking its pool with it (a sweep scores its rounds on one too, for
+the same reason: :mod:`kvviz.studies.sweep_measure`). Measured on the 2-core CPU (2026-12-07): a
 forward of two 256-token prompts took 600 ms on the thread that loaded the model, 790 ms on another thread while the
 loading thread lived, 610 ms on another once the load ran on a thread that had exited.
 
