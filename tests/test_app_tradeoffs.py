@@ -13,7 +13,7 @@ def test_a_task_sweep_draws_intervals_and_opens_every_failed_item_in_compare():
     app = opened()
     assert not app.exception and not app.error
     assert app.radio(key="sweep_workload").value == "task" and app.radio(key="sweep_design").value == "adaptive"
-    assert app.number_input(key="sweep_cap").value == 256 and app.number_input(key="sweep_time").value == 150
+    assert app.number_input(key="sweep_cap").value == 256 and app.number_input(key="sweep_time").value == 165
     plan = next(m.value for m in app.markdown if "A configuration losing 0 points" in m.value)
     assert plan.startswith("Adaptive, up to 256 items in rounds of 16, 3 families"), "the power of the design first"
     families = app.multiselect(key="sweep_families")

@@ -262,7 +262,7 @@ def test_bad_links_say_what_they_changed_and_run_nothing(server, page):
 
 
 def test_trade_offs_default_run_draws_intervals_cliffs_and_the_item_grid(server, page):
-    # three families on multikey items of 256 tokens, adaptive: rounds until every point is decided (or 150 s)
+    # three families on multikey items of 256 tokens, adaptive: rounds until every point is decided (or 165 s)
     ready(page, f"{server}/Trade_offs", "Run the sweep").click()
     page.locator(dom.RUNNING).wait_for(timeout=60_000)
     page.wait_for_timeout(700)  # the still label shows once a run has lasted half a second
