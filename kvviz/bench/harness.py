@@ -26,6 +26,7 @@ from kvviz.runtime.admission import ALONE
 from kvviz.runtime.jobs import Job, Stage, Steps
 from kvviz.runtime.models import LoadedModel
 from kvviz.runtime.progress import Progress
+from kvviz.studies.sweep_rounds import DEFAULT_MAX_ITEMS, DEFAULT_SECONDS
 
 Log = Callable[[str], None]
 T = TypeVar("T")
@@ -66,8 +67,9 @@ class Sizes:
     sweep_play_tokens: int = 512
     sweep_ray_items: int = 8  # the sweep on one local Ray worker against the same sweep in process
     sweep_ray_task_length: int = 256
-    adaptive_max_items: int = 256  # the Trade-offs default run, adaptive: its cap, time budget and items' length
-    adaptive_seconds: float = 150.0
+    # the Trade-offs default run, adaptive: the page's cap, time budget and items' length
+    adaptive_max_items: int = DEFAULT_MAX_ITEMS
+    adaptive_seconds: float = DEFAULT_SECONDS
     adaptive_task_length: int = 256
     adaptive_fixed_items: int = 32  # the fixed design of earlier rounds, run beside it
     adaptive_repeats: int = 3  # the time budget makes each repeat's items differ: a median of three paired ratios
