@@ -1,8 +1,9 @@
 """Every page's default run on Gemma 3 270M, the second embedded model, in headless chromium: no exception.
 
 The served app (the session's one server) loads Gemma once, when the first page names it. Each page opens with
-``?model=gemma3-270m``; where it has a run button, its defaults run. Screenshots of what only Gemma shows (layer
-types, chat off) land in docs/screenshots/gemma-*.png.
+``?model=gemma3-270m``; where it has a run button, its defaults run (Trade-offs' for one round of items: its time
+budget, not the model, sets how long its default run lasts, and test_browser.py waits for that one). Screenshots of
+what only Gemma shows (layer types, chat off) land in docs/screenshots/gemma-*.png.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_architectures_gemma3_every_page_s_default_run_in_chromium(server, page)
     shoot(page, "gemma-lessons-step7", anchor="Lessons: KV caches in 7 steps")
     ran(page, f"{server}/Tail_risk?{GEMMA}", "Run the tasks", "Runs as CSV")
     ran(page, f"{server}/Prefix_reuse?{GEMMA}", "Run prefix reuse", "Turns sharing a preamble")
-    ran(page, f"{server}/Trade_offs?{GEMMA}", "Run the sweep", "Points as CSV")
+    ran(page, f"{server}/Trade_offs?cap=16&{GEMMA}", "Run the sweep", "Points as CSV")
 
 
 def test_architectures_smollm2_default_runs_the_other_browser_tests_leave_out(server, page):
