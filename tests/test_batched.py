@@ -5,12 +5,16 @@ method leaving the batch alone."""
 import pytest
 import torch
 
-from kvviz.comparison.session import compare
+from kvviz.comparison.batched import decode_prompts
+from kvviz.comparison.session import FREE, compare
 from kvviz.methods import REGISTRY, budget_spec
 from kvviz.methods.h2o import H2O
 from kvviz.methods.window import Window
-from kvviz.runtime import batch
+from kvviz.runtime import batch, engine
+from kvviz.runtime.prefill import prefill_together
+from kvviz.runtime.prefix import shared_prefixes
 from kvviz.runtime.replay import Sampling
+from kvviz.studies.tail_items import stream_items
 
 EVICTIONS = sorted(name for name, cls in REGISTRY.items() if cls.kind == "eviction")
 
@@ -175,6 +179,31 @@ def test_batched_comparison_on_the_real_model_equals_sequential(real_model, stor
     assert_same_rows(batched, sequential)
     assert not [r.error for r in batched.results if r.error]
     assert batched.by_method("full").text.strip()
+
+
+def test_a_wave_prefills_the_blocks_its_prompts_share_once_and_each_prompt_equals_its_fresh_prefill(
+        real_model, monkeypatch):
+    """Task items share their chat preamble: a wave prefills it once and feeds each item only the rest, and on a CPU
+    every item's logits and cache then equal its fresh prefill's bit for bit, so sharing changes no result."""
+    items = stream_items(real_model.tokenizer, "multikey", 256, range(3), 0)
+    forwards = []
+
+    def checked(model, device, prompts, prefix, store=True):
+        runs = prefill_together(model, device, prompts, prefix, store)
+        forwards.append(([len(p) for p in prompts], [run.lookup.reused_tokens for run in runs]))
+        if prefix is not None:
+            for run, fresh in zip(runs, prefill_together(model, device, prompts, None), strict=True):
+                assert torch.equal(run.last_logits, fresh.last_logits)
+                for ours, theirs in zip(run.cache.layers, fresh.cache.layers, strict=True):
+                    assert all(torch.equal(a, b) for a, b in zip(ours.storage.materialize(),
+                                                                 theirs.storage.materialize(), strict=True))
+        return runs
+
+    monkeypatch.setattr(engine, "prefill_together", checked)
+    decode_prompts(real_model, [item.ids for item in items], ["full"], 1, FREE)
+    preamble = len(shared_prefixes([item.ids for item in items])[0])
+    assert preamble >= 32 and forwards[0] == ([preamble], [0]), "the shared blocks first, in a forward of their own"
+    assert {reused for _, runs in forwards[1:] for reused in runs} == {preamble}, "then every item after them"
 
 
 def test_a_comparison_reports_its_prefill_before_any_model_work(tiny_model, story_ids):

@@ -10,7 +10,7 @@ import torch
 from kvviz.cache.capture import CaptureConfig
 from kvviz.comparison.session import PromptSession, compare
 from kvviz.runtime.prefill import prefill_together, prefill_with_prefix, reusable_tokens
-from kvviz.runtime.prefix import PrefixCache, block_hashes
+from kvviz.runtime.prefix import PrefixCache, block_hashes, shared_prefixes
 
 
 def test_same_tokens_give_same_hashes_and_only_whole_blocks():
@@ -18,6 +18,17 @@ def test_same_tokens_give_same_hashes_and_only_whole_blocks():
     assert block_hashes(ids, 16) == block_hashes(list(ids), 16)
     assert len(block_hashes(ids, 16)) == 6  # 96 tokens in whole blocks, the last 4 left out
     assert block_hashes(ids[:40], 16) == block_hashes(ids, 16)[:2]
+
+
+def test_shared_prefixes_are_the_longest_whole_blocks_two_prompts_begin_with():
+    preamble, document = list(range(1000, 1040)), list(range(2000, 2100))
+    prompts = [preamble + document + [1], [7] * 50, preamble + [3] * 30, [9] * 40 + [1], preamble + document + [2],
+               preamble[:20], [9] * 40 + [2]]
+    # the preamble's 32 whole tokens that the third prompt shares are the start of the 128 the first and fifth share
+    assert shared_prefixes(prompts, 16) == [(preamble + document)[:128], [9] * 32]
+    assert shared_prefixes([preamble + [1], preamble[:10]], 16) == [], "no whole block in common"
+    assert shared_prefixes([preamble, preamble], 16) == [preamble[:32]], "one prefix once, however many share it"
+    assert shared_prefixes([preamble], 16) == []
 
 
 def test_one_token_change_invalidates_its_block_and_every_later_one():

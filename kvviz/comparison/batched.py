@@ -6,11 +6,14 @@ same forward, one per step (the engine's running batch, :mod:`kvviz.runtime.engi
 join). A wave holds as many prompts as fit under a row cap and a memory budget, and is one step of the job the
 engine admits: between waves the model goes back to the engine, so other users' runs take their turns. Prompts that
 nobody's attention is recorded for (quantizers and fixed windows only) go through the engine's shared prefill,
-several in one forward.
+several in one forward, after the whole blocks two or more of them begin with (a task's chat preamble, a prompt
+set's shared document), prefilled once for the wave in a forward of their own: each prompt feeds only the rest.
 
 Rows do exactly what they do alone (each its own cache; on a CPU the linear layers are padded to row counts that
 give every row the same numbers whatever shares its forward: :mod:`kvviz.runtime.invariance`), so each prompt's
-results equal :func:`compare` on that prompt alone, prefilled fresh (``reuse_prefix=False``).
+results equal :func:`compare` on that prompt alone, prefilled fresh (``reuse_prefix=False``). The wave's shared
+blocks change no bit of that on a CPU: a prompt's keys, values and logits after them equal its whole prompt's
+prefill (tests/test_batched.py, on the real model).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from kvviz.runtime.admission import RunSize
 from kvviz.runtime.batch import Row
 from kvviz.runtime.jobs import Decode, Job, SharedPrefill, Stage, Steps, Turn
 from kvviz.runtime.models import LoadedModel
+from kvviz.runtime.prefix import PrefixCache, shared_prefixes
 from kvviz.runtime.progress import Progress, share
 
 # Rows one forward feeds at most. On the 2-core CPU a step's linear layers cost about the same for 12 rows as for
@@ -83,7 +87,8 @@ def decode_prompts(loaded: LoadedModel, prompts: Sequence[Sequence[int]], specs:
     ``mode`` says how the rows after full decode (:data:`kvviz.comparison.session.FREE`, ``FORCED`` or ``BOTH``).
     Prompts are prefilled fresh unless ``reuse_prefix``: a block the model's prefix cache kept from another run may
     have been computed under another attention path (explicit where a capture listened, SDPA elsewhere), which
-    moves the last bits and, near a tie, a greedy token; a sweep's results must not depend on what ran before.
+    moves the last bits and, near a tie, a greedy token; a sweep's results must not depend on what ran before. What
+    the prompts of a wave share is prefilled once, fresh, for that wave alone (module docstring).
     SpecError or PromptError before any model work; a configuration that fails on a prompt is that result's
     ``error``, and the others go on. One job on the model's engine (:func:`prompts_job`), whose result this waits for.
     """
@@ -123,7 +128,9 @@ def _waves_steps(loaded: LoadedModel, sessions_of: list[PromptSession], stacks: 
         sessions = [sessions_of[index] for index in wave]
         report(0.0, "prefilling")
         if capture is None:
-            shared = yield SharedPrefill([session.prompt_ids for session in sessions], sessions[0].reuse_prefix)
+            prompts = [session.prompt_ids for session in sessions]
+            reuse = sessions[0].reuse_prefix
+            shared = yield SharedPrefill(prompts, reuse, None if reuse else (yield from _prefilled_once(prompts)))
             for session, run in zip(sessions, shared, strict=True):
                 session.adopt(run)
         else:
@@ -141,6 +148,19 @@ def _waves_steps(loaded: LoadedModel, sessions_of: list[PromptSession], stacks: 
         _release(rows)
     progress(1.0, "done")
     return results
+
+
+def _prefilled_once(prompts: list[list[int]]) -> Steps[PrefixCache | None]:
+    """The whole blocks that two or more of ``prompts`` begin with (a task's chat preamble, a prompt set's shared
+    document), prefilled fresh in one forward of their own and kept for these prompts only; None when they share
+    none."""
+    shared = shared_prefixes(prompts)
+    if not shared:
+        return None
+    own = PrefixCache()  # these prompts' own blocks, dropped with the wave
+    for ids, run in zip(shared, (yield SharedPrefill(shared, False)), strict=True):
+        own.store(ids, run.cache)
+    return own
 
 
 def _release(rows: list[list[Row]]) -> None:

@@ -290,10 +290,11 @@ class Engine:
         waiting = [(run, index) for run in self._running if isinstance(run.asked, SharedPrefill)
                    for index, outcome in enumerate(run.prefilled) if outcome is None]
         if waiting:
-            reuse = waiting[0][0].asked.reuse_prefix
-            alike = [(run, index) for run, index in waiting if run.asked.reuse_prefix == reuse]
+            first = waiting[0][0].asked
+            alike = [(run, index) for run, index in waiting
+                     if (run.asked.reuse_prefix, run.asked.prefix) == (first.reuse_prefix, first.prefix)]
             chosen = [alike[k] for k in prefill_share([len(run.asked.prompts[i]) for run, i in alike])]
-            outcomes = self._prefill([run.asked.prompts[index] for run, index in chosen], reuse)
+            outcomes = self._prefill([run.asked.prompts[index] for run, index in chosen], first)
             for (run, index), outcome in zip(chosen, outcomes, strict=True):
                 run.prefilled[index] = outcome
             self.prefills += 1
@@ -315,10 +316,13 @@ class Engine:
                 run.throw = next((group.error for group in run.asked.groups if group.error is not None), None)
                 run.asked = None
 
-    def _prefill(self, prompts: list[list[int]], reuse_prefix: bool) -> list[PrefixPrefill | BaseException]:
-        """The prompts in one forward; a forward that fails as a whole (out of memory) fails each of them."""
+    def _prefill(self, prompts: list[list[int]], asked: SharedPrefill) -> list[PrefixPrefill | BaseException]:
+        """The prompts (some of ``asked``'s) in one forward, starting from the job's own prefix blocks, else from the
+        model's prefix cache when it asks to reuse it; a forward that fails as a whole (out of memory) fails each."""
         try:
-            return prefill_together(self.model, self.device, prompts, self.prefix_cache if reuse_prefix else None)
+            if asked.prefix is not None:
+                return prefill_together(self.model, self.device, prompts, asked.prefix, store=False)
+            return prefill_together(self.model, self.device, prompts, self.prefix_cache if asked.reuse_prefix else None)
         except Exception as error:  # noqa: BLE001 - each run in the forward says so
             return [error] * len(prompts)
 
@@ -364,8 +368,8 @@ class Engine:
                 outcomes: list[PrefixPrefill | BaseException | None] = [None] * len(asked.prompts)
                 while (pending := [i for i, outcome in enumerate(outcomes) if outcome is None]):
                     chosen = [pending[k] for k in prefill_share([len(asked.prompts[i]) for i in pending])]
-                    for index, outcome in zip(chosen, self._prefill([asked.prompts[i] for i in chosen],
-                                                                    asked.reuse_prefix), strict=True):
+                    for index, outcome in zip(chosen, self._prefill([asked.prompts[i] for i in chosen], asked),
+                                              strict=True):
                         outcomes[index] = outcome
                 thrown = next((o for o in outcomes if isinstance(o, BaseException)), None)
                 sent = outcomes

@@ -28,6 +28,7 @@ from typing import Any, Generic, TypeVar
 
 from kvviz.runtime.admission import RunSize
 from kvviz.runtime.batch import DecodeGroup
+from kvviz.runtime.prefix import PrefixCache
 from kvviz.runtime.progress import Progress
 
 T = TypeVar("T")
@@ -63,10 +64,14 @@ class Stage(enum.Enum):
 @dataclass
 class SharedPrefill:
     """Prompts for the engine's shared prefill (nobody records their attention): the engine sends back one
-    :class:`~kvviz.runtime.prefill.PrefixPrefill` per prompt, in order, or raises the first failure in the steps."""
+    :class:`~kvviz.runtime.prefill.PrefixPrefill` per prompt, in order, or raises the first failure in the steps.
+
+    ``prefix``: blocks the job prefilled itself for these prompts to start from (read, never written), in place of
+    the model's prefix cache: what a batch of prompts shares, prefilled once (:mod:`kvviz.comparison.batched`)."""
 
     prompts: list[list[int]]
     reuse_prefix: bool
+    prefix: PrefixCache | None = None
 
 
 @dataclass

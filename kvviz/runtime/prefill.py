@@ -86,13 +86,13 @@ def prefill_with_prefix(model: torch.nn.Module, device: str, token_ids: list[int
 
 
 def prefill_together(model: torch.nn.Module, device: str, prompts: list[list[int]],
-                     prefix: PrefixCache | None) -> list[PrefixPrefill | BaseException]:
+                     prefix: PrefixCache | None, store: bool = True) -> list[PrefixPrefill | BaseException]:
     """Several runs' prompts in one forward (:func:`kvviz.runtime.batch.prefill_rows`), each reusing its own longest
-    cached prefix and storing its new blocks after, as :func:`prefill_with_prefix` does alone; nobody listens to
-    their attention. Each result's ``seconds`` is the whole forward's, which is how long each prompt waited for its
-    first token. A row that failed gets its error in place of its prefill."""
+    cached prefix and storing its new blocks after (unless ``store`` is False), as :func:`prefill_with_prefix` does
+    alone; nobody listens to their attention. Each result's ``seconds`` is the whole forward's, which is how long each
+    prompt waited for its first token. A row that failed gets its error in place of its prefill."""
     if len(prompts) == 1:
-        return [prefill_with_prefix(model, device, prompts[0], prefix)]
+        return [prefill_with_prefix(model, device, prompts[0], prefix, store=store)]
     _sync(device)
     started = time.perf_counter()
     seeded = [_seeded(prefix, tokens, None, model.config.num_hidden_layers) for tokens in prompts]
@@ -108,7 +108,7 @@ def prefill_together(model: torch.nn.Module, device: str, prompts: list[list[int
         if index in failures:
             results.append(failures[index])
             continue
-        if prefix is not None:
+        if prefix is not None and store:
             prefix.store(tokens, cache)
         results.append(PrefixPrefill(cache, logits[index], lookup, seconds))
     return results

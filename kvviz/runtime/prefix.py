@@ -11,8 +11,10 @@ prompt through the cache (feeding only what it does not hold) is :mod:`kvviz.run
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +38,25 @@ def block_hashes(token_ids: list[int], block_tokens: int = BLOCK_TOKENS, salt: s
         parent = hashlib.sha256(parent + block).digest()
         hashes.append(parent.hex())
     return hashes
+
+
+def shared_prefixes(prompts: Sequence[Sequence[int]], block_tokens: int = BLOCK_TOKENS) -> list[list[int]]:
+    """The longest whole-block prefixes that two or more of ``prompts`` share, each once, in the prompts' order; a
+    prefix that is the start of a longer one is left out (storing the longer one's blocks serves it too)."""
+    ordered = sorted(range(len(prompts)), key=lambda index: list(prompts[index]))
+    longest = [0] * len(prompts)
+    for before, after in itertools.pairwise(ordered):  # sorted, a prompt's longest match is a neighbour
+        first, second = prompts[before], prompts[after]
+        common = next((k for k, (a, b) in enumerate(zip(first, second, strict=False)) if a != b),
+                      min(len(first), len(second)))
+        whole = common // block_tokens * block_tokens
+        longest[before], longest[after] = max(longest[before], whole), max(longest[after], whole)
+    found: dict[tuple[int, ...], None] = {}
+    for index, length in enumerate(longest):
+        if length:
+            found.setdefault(tuple(prompts[index][:length]))
+    kept = [p for p in found if not any(len(q) > len(p) and q[:len(p)] == p for q in found)]
+    return [list(prefix) for prefix in kept]
 
 
 @dataclass
