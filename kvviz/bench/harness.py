@@ -64,6 +64,7 @@ class Sizes:
     sweep_items: int = 32  # the trade-off sweep: the default families on task items and on a play
     sweep_task_length: int = 512
     sweep_sample_items: int = 2  # items every SPEC also runs on as its own comparison (extrapolated to all)
+    sweep_sample_specs: int = 0  # SPECs evenly spaced that run alone on those items (0: every SPEC)
     sweep_play_tokens: int = 512
     sweep_ray_items: int = 8  # the sweep on one local Ray worker against the same sweep in process
     sweep_ray_task_length: int = 256
@@ -83,8 +84,9 @@ SIZES: dict[str, Sizes] = {
                    needle_depths=(0.5,), needle_tokens=3, batched_prompt=96, batched_tokens=4, app_prompt=64,
                    app_tokens=2, app_runs=1, app_walks=1, lessons=False, class_students=6, prefix_preamble=96,
                    prefix_question=8, repeats=1,
-                   sweep_items=2, sweep_task_length=160, sweep_sample_items=1, sweep_play_tokens=24,
-                   sweep_ray_items=2, sweep_ray_task_length=160, adaptive_max_items=16, adaptive_seconds=60.0,
+                   sweep_items=2, sweep_task_length=160, sweep_sample_items=1, sweep_sample_specs=4,
+                   sweep_play_tokens=24, sweep_ray_items=2, sweep_ray_task_length=160, adaptive_max_items=8,
+                   adaptive_seconds=60.0,
                    adaptive_task_length=160, adaptive_fixed_items=4, adaptive_repeats=1),
     "gpu": Sizes(compare_prompt=4096, compare_tokens=32, generate_prompt=4096, generate_tokens=128,
                  capture_lengths=(4096, 8192, 16384, 32768), decode_prompt=32768, decode_budget=1024,

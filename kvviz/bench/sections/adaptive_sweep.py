@@ -19,6 +19,7 @@ At the page's own settings the same run is then timed as its user sees it: the T
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import tempfile
@@ -69,8 +70,10 @@ class Repeat:
         return report.rounds.items / seconds, cells(report) / seconds
 
     def ratio(self) -> float:
-        """Decided points per minute, adaptive against the fixed design on this repeat's items."""
-        return self.per_minute("adaptive") / self.per_minute("fixed_same_items")
+        """Decided points per minute, adaptive against the fixed design on this repeat's items (NaN when the fixed
+        design decides none: a cap too small for any decision)."""
+        fixed = self.per_minute("fixed_same_items")
+        return self.per_minute("adaptive") / fixed if fixed else math.nan
 
 
 def _repeat(loaded: LoadedModel, stream: TaskWorkload, families: list[str], adaptive: Adaptive, fixed_items: int,
@@ -123,7 +126,8 @@ def adaptive_sweep(run: BenchRun) -> Section:
     section.add("adaptive_within_points", len(within), note=", ".join(within) or "none proven within the margin")
     section.add("adaptive_ended", adaptive_report.rounds.describe())
     each = "; ".join(f"{r.ratio():.2f}x on {r.reports['adaptive'].rounds.items} items" for r in repeats)
-    section.add("decided_points_per_minute", median([r.ratio() for r in repeats]), "x", ">= 2",
+    ratios = [r.ratio() for r in repeats if math.isfinite(r.ratio())]
+    section.add("decided_points_per_minute", median(ratios) if ratios else math.nan, "x", ">= 2",
                 note="adaptive against the fixed design on the same items (decided points per minute), the median "
                      f"of each repeat's ratio: {each}")
     page_settings = (sizes.adaptive_max_items, sizes.adaptive_seconds, sizes.adaptive_task_length)

@@ -3,8 +3,8 @@
 - Task: the default families x four budgets on ``sweep_items`` items at ``sweep_task_length`` tokens (every
   configuration of a wave of items decoding in one batch), against the same points run as separate comparisons
   (``compare`` of one SPEC on one item, its own fresh prefill and full's decode included). The comparisons are
-  timed on a sample of items, every SPEC on each, half before and half after the sweep, and extrapolated to every
-  item; their outcomes must equal the sweep's.
+  timed on a sample of items, every SPEC on each (``sweep_sample_specs`` of them, evenly spaced, at the quick sizes),
+  half before and half after the sweep, and extrapolated to every item; their outcomes must equal the sweep's.
 - Play: the default families' streaming perplexity on a play, every configuration in one forward per token, against
   the same configurations streamed one after another (the path each one takes alone), in turns.
 
@@ -67,12 +67,14 @@ def _task(run: BenchRun, section: Section, families: list[str]) -> None:
         return total, answers
 
     specs = planned_specs(loaded, families, workload.length)
+    step = max(1, len(specs) // sizes.sweep_sample_specs) if sizes.sweep_sample_specs else 1
+    alone = specs[::step][: sizes.sweep_sample_specs or None]
     half = max(1, len(sample) // 2)
-    before_seconds, before = separately(sample[:half], specs)
+    before_seconds, before = separately(sample[:half], alone)
     sweep_seconds, report = timed(loaded.device, lambda: run_sweep(loaded, workload, families,
                                                                    list(DEFAULT_BUDGETS)))
-    after_seconds, after = separately(sample[half:], specs)
-    per_comparison = (before_seconds + after_seconds) / (len(sample) * len(specs))
+    after_seconds, after = separately(sample[half:], alone)
+    per_comparison = (before_seconds + after_seconds) / (len(sample) * len(alone))
     one_at_a_time = per_comparison * len(items) * len(specs)
     outcomes = {(o.item, p.spec): o.answer for p in report.points[1:] for o in p.outcomes}
     compared = {key: answer for key, answer in (before | after).items() if key in outcomes}
@@ -84,8 +86,9 @@ def _task(run: BenchRun, section: Section, families: list[str]) -> None:
                                                      f"{report.notes[0] if report.notes else ''}")
     section.add("sweep_task_seconds", sweep_seconds, "s")
     section.add("sweep_task_one_at_a_time_seconds", one_at_a_time, "s",
-                note=f"{per_comparison:.2f} s per comparison, timed on every SPEC of {len(sample)} items (half "
-                     f"before the sweep, half after) and extrapolated to {len(items)} items")
+                note=f"{per_comparison:.2f} s per comparison, timed on {len(alone)} of the {len(specs)} SPECs on "
+                     f"{len(sample)} items (half before the sweep, half after) and extrapolated to every SPEC on "
+                     f"{len(items)} items")
     section.add("sweep_task_vs_one_at_a_time", sweep_seconds / one_at_a_time, "x", "<= 0.35")
     section.add("sweep_task_same_as_compare", not differ, target="== True",
                 note=f"the answers of {len(compared)} sampled (item, SPEC) pairs"
