@@ -96,7 +96,7 @@ def test_passing_thread_work_hands_back_its_result_and_its_error_and_leaves_no_t
 def test_the_openmp_pool_of_parallel_work_on_a_passing_thread_goes_with_it():
     """What the load relies on: a pool lives as long as the thread that started it."""
     with torch_threads(2):
-        before = _threads_alive()
+        before = _threads_settled()  # in the whole suite, threads other tests left may still be ending
         during = on_passing_thread(lambda: (torch.ones(1_000_000).add_(1), _threads_alive())[1])
         deadline = time.monotonic() + 5
         while _threads_alive() > before and time.monotonic() < deadline:
