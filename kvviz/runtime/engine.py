@@ -319,10 +319,10 @@ class Engine:
     def _prefill(self, prompts: list[list[int]], asked: SharedPrefill) -> list[PrefixPrefill | BaseException]:
         """The prompts (some of ``asked``'s) in one forward, starting from the job's own prefix blocks, else from the
         model's prefix cache when it asks to reuse it; a forward that fails as a whole (out of memory) fails each."""
+        own = asked.prefix
+        prefix = own if own is not None else self.prefix_cache if asked.reuse_prefix else None
         try:
-            if asked.prefix is not None:
-                return prefill_together(self.model, self.device, prompts, asked.prefix, store=False)
-            return prefill_together(self.model, self.device, prompts, self.prefix_cache if asked.reuse_prefix else None)
+            return prefill_together(self.model, self.device, prompts, prefix, store=own is None)
         except Exception as error:  # noqa: BLE001 - each run in the forward says so
             return [error] * len(prompts)
 

@@ -126,7 +126,7 @@ def adaptive_sweep(run: BenchRun) -> Section:
     section.add("adaptive_within_points", len(within), note=", ".join(within) or "none proven within the margin")
     section.add("adaptive_ended", adaptive_report.rounds.describe())
     each = "; ".join(f"{r.ratio():.2f}x on {r.reports['adaptive'].rounds.items} items" for r in repeats)
-    ratios = [r.ratio() for r in repeats if math.isfinite(r.ratio())]
+    ratios = [ratio for ratio in (r.ratio() for r in repeats) if math.isfinite(ratio)]
     section.add("decided_points_per_minute", median(ratios) if ratios else math.nan, "x", ">= 2",
                 note="adaptive against the fixed design on the same items (decided points per minute), the median "
                      f"of each repeat's ratio: {each}")
