@@ -34,7 +34,7 @@ from kvviz.studies.workloads import TaskWorkload, Workload
 RoundSource = Callable[[list[str], list[int], Progress | None], tuple[Rows, ShardRun | None]]
 # The page's time budget: rounds end by it, and the page draws the results a few seconds later, within a class's
 # three minutes on the 2-core CPU. Its late rounds run full and one or two open points, so the last seconds buy the
-# most items: 150 s reached 112 items on a slow morning, short of the ~116 that prove kivi:bits=8 within 5 points.
+# most items: 150 s reached 112 items on a slow morning, about what proves kivi:bits=8 within 5 points (110).
 DEFAULT_SECONDS = 165.0
 DEFAULT_MAX_ITEMS = 256
 
