@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-PREFILL_TOKENS = 512  # most prompt positions (padding included) one shared prefill feeds: on the CPU a forward of
-# 30 tokens costs 87 ms and one of eight 30-token prompts 384 ms, but past a few hundred tokens a forward is bound by
-# its arithmetic and batching gains nothing (a 512-token forward 811 ms, measured on the 2-core CPU)
+PREFILL_TOKENS = 1024  # most prompt positions (padding included) one shared prefill feeds: on the CPU a forward of
+# 30 tokens costs 87 ms and one of eight 30-token prompts 384 ms; past a few hundred tokens a forward is mostly bound
+# by its arithmetic, yet 32 multikey items of ~250 tokens prefilled four to a forward took 10% less than two to a
+# forward (11.9-16.9 s against 13.6-17.7 s, four interleaved repeats on the 2-core CPU). A larger cap gains a little
+# more but holds other users' decode steps longer (a 1,024-position forward takes about 1.6 s there)
 
 
 def prefill_share(lengths: Sequence[int], first: int = 0) -> list[int]:
