@@ -10,7 +10,10 @@ from kvviz.studies.sequential import (
     BEYOND,
     CLAIMS,
     FRACTIONS,
+    LARGEST_WEIGHT,
+    ONE_SIDED,
     OPEN,
+    WEIGHTS,
     WITHIN,
     WORSE,
     Allocation,
@@ -52,6 +55,17 @@ def test_no_test_proves_a_margin_on_fewer_units_than_a_bounded_mean_allows():
     assert math.exp(-units * math.log(1 / 0.95)) > 0.025
     assert p_value(np.zeros(200), 0.05, "within") < 0.001
     assert FRACTIONS.max() == 1.0, "the mixture holds the largest safe bet, which reaches the bound"
+
+
+def test_the_stake_on_the_largest_bet_proves_a_point_identical_to_full_in_the_round_of_112():
+    """Three families share 2.5%: a point identical to full is proven within 5 points on 110 units, not the 116 an
+    even mixture needs, so an adaptive sweep proves it at the look after 112 items rather than 128."""
+    assert WEIGHTS.sum() == pytest.approx(1.0) and WEIGHTS.min() > 0, "a mixture: any fixed weights keep the level"
+    assert WEIGHTS[FRACTIONS == 1.0][0] == pytest.approx(LARGEST_WEIGHT + (1 - LARGEST_WEIGHT) / FRACTIONS.size)
+    level = ONE_SIDED / 3
+    assert p_value(np.zeros(109), 0.05, "within") > level >= p_value(np.zeros(110), 0.05, "within")
+    even = np.exp(np.cumsum(log_growth(np.zeros(116), -0.05, 1), axis=-1)).mean(axis=0)  # the mixture before
+    assert even[-2] < 1 / level <= even[-1], "an even mixture needs 116 units"
 
 
 def test_the_interval_holds_the_mean_and_narrows_with_units():
