@@ -35,8 +35,8 @@ def test_the_fixed_n_rule_looked_at_every_round_fails_its_level(rates):
 
 def test_power_and_items_to_a_decision_at_0_1_and_2_5_points(rates):
     by_loss = {row.loss_points: row for row in rates.power}
-    assert by_loss[0.0].within.share >= 0.99 and by_loss[0.0].median_items <= 112, "identical to full: proven at the "
-    "round of 112 items (the stake on the largest bet; 128 without it)"
+    assert by_loss[0.0].within.share >= 0.99 and by_loss[0.0].median_items <= 112, (
+        "identical to full: proven at the round of 112 items (the stake on the largest bet; 128 without it)")
     assert 0.7 <= by_loss[1.0].within.share < by_loss[0.0].within.share
     assert by_loss[1.0].median_items <= 208
     assert by_loss[2.5].within.share < 0.3, "2.5 of 5 points lost: rarely proven within 256 items"
